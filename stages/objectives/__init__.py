@@ -1,6 +1,9 @@
 """Objective registry. Each objective is a small module exposing
 
-    NEEDS: set[str]           what score(k) must record: {"teacher_logprobs", "topk", "full"}
+    NEEDS: set[str]           what the update must be fed: "teacher_logprobs" (teacher log-prob of the
+                              sampled token), "topk" (teacher top-k ids + log-probs), "full" (teacher
+                              logits rows [n, V]), "advantages" (task-reward advantage per position,
+                              from the rollout's rewards via `reward_advantages`)
     check(cfg, source)        refuse invalid settings (raise UserError naming the key)
     per_token(chunk, cfg)     -> (loss [n] float32, diagnostics {name: [n] tensor})
 
@@ -16,11 +19,19 @@ from typing import Optional
 import torch
 
 from ..errors import UserError
-from . import forward_kl_topk
+from . import bucketed_topk_tail, estimators, exact_full_vocab, forward_kl_topk, pg_k1_rewarded
+from .pg_k1_rewarded import reward_advantages
 
 REGISTRY = {
     "forward_kl_topk": forward_kl_topk,
+    **{name: estimators for name in estimators.NAMES},  # k1 k2 mse k3 low_var_kl abs
+    "pg_k1_rewarded": pg_k1_rewarded,
+    "bucketed_topk_tail": bucketed_topk_tail,
+    "exact_full_vocab": exact_full_vocab,
 }
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# objectives that read `divergence`; elsewhere a non-default value would be silently ignored
+_HAS_DIVERGENCE = ("bucketed_topk_tail", "exact_full_vocab")
 
 
 @dataclass
@@ -46,23 +57,45 @@ def needs(cfg) -> set[str]:
 
 
 def check(cfg, source: str = "config") -> None:
-    get(cfg.name).check(cfg, source)
+    """Settings shared by all objectives first, then the objective's own combinations."""
+    if cfg.name not in REGISTRY:
+        raise UserError(f"{source}: key 'objective.name' = {cfg.name!r}; expected one of {', '.join(sorted(REGISTRY))}")
+    mod = REGISTRY[cfg.name]
+    if cfg.loss_agg_mode not in AGG_MODES:
+        raise UserError(f"{source}: key 'objective.loss_agg_mode' = {cfg.loss_agg_mode!r}; "
+                        f"expected one of {', '.join(AGG_MODES)}")
+    if cfg.loss_max_clamp is not None and not cfg.loss_max_clamp > 0:
+        raise UserError(f"{source}: key 'objective.loss_max_clamp' = {cfg.loss_max_clamp}; expected > 0 or null")
+    if not cfg.log_prob_min_clamp < 0:
+        raise UserError(f"{source}: key 'objective.log_prob_min_clamp' = {cfg.log_prob_min_clamp}; "
+                        "expected a log-probability floor < 0 (verl's is log(1e-8) = -18.42)")
+    if cfg.name not in _HAS_DIVERGENCE and cfg.divergence != "forward":
+        raise UserError(f"{source}: key 'objective.divergence' = {cfg.divergence!r} is not used by objective "
+                        f"{cfg.name!r}; only {', '.join(_HAS_DIVERGENCE)} read it")
+    mod.check(cfg, source)
 
 
 def agg_weights(mask: torch.Tensor, mode: str) -> torch.Tensor:
     """Per-token weights w [B, T] such that sum(w * loss) is verl's agg_loss(loss, mask, mode).
 
-    mask: [B, T] {0,1}. Computed once per batch so every chunk is normalised by the global count.
+    mask: [B, T] {0,1} over response positions (T = the padded response length, which is verl's
+    horizon for seq-mean-token-sum-norm). Computed once per batch so every chunk is normalised by the
+    global counts. Matches agg_loss called without global batch info (dp_size 1): sequences with no
+    unmasked token are not counted. One deliberate difference: an all-masked batch gives weights 0
+    (loss 0, zero grads) where verl divides 0 by 0.
     """
     m = mask.float()
     if mode == "token-mean":
         return m / m.sum().clamp_min(1.0)
     seq_len = m.sum(-1, keepdim=True)  # [B, 1]
-    n_seq = (seq_len > 0).float().sum().clamp_min(1.0)
+    n_seq = (seq_len > 0).float().sum().clamp_min(1.0)  # non-empty sequences
     if mode == "seq-mean-token-mean":
-        return m / seq_len.clamp_min(1.0) / n_seq
+        return m / (seq_len + 1e-8) / n_seq  # verl's +1e-8, kept for bit-closeness
     if mode == "seq-mean-token-sum":
         return m / n_seq
     if mode == "seq-mean-token-sum-norm":
-        return m / mask.shape[-1]
-    raise UserError(f"key 'objective.loss_agg_mode' = {mode!r}; unsupported")
+        return m / n_seq / mask.shape[-1]
+    raise UserError(f"key 'objective.loss_agg_mode' = {mode!r}; expected one of {', '.join(AGG_MODES)}")
+
+
+__all__ = ["REGISTRY", "Chunk", "get", "needs", "check", "agg_weights", "reward_advantages", "AGG_MODES"]

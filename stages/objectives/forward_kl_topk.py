@@ -1,44 +1,51 @@
 """forward_kl_topk (verl v0.8): sum over the teacher's top-k ids of p_T (log p_T - log p_S).
 
-Both log-prob sets are clamped from below (verl clamps at log 1e-8), the per-token loss is
-optionally capped (`loss_max_clamp`) and floored at 0 (top-k sets are not normalised, so the sum
-can go negative).
+verl 0.8.0 (`trainer/distillation/fsdp/losses.py`) sums over the teacher's top-k ids only (the
+student's top-k is used for the overlap diagnostic, not the loss); so do we. Both log-prob sets are
+clamped from below (`log_prob_min_clamp`); the top-k sets are not normalised, so the sum can go
+negative and is floored at 0, then verl's `clamp(-c, c)` with c = `loss_max_clamp` applies.
+With `use_policy_gradient` (verl allows it, with a warning) the detached loss becomes the advantage
+-loss of a PPO loss on the sampled token, as verl does.
 """
 from __future__ import annotations
 
 import torch
 
-from ..errors import UserError
+from ._common import check_pg, clamp_loss, ppo_per_token
 
 NEEDS = {"topk"}
 
 
 def check(cfg, source: str = "config") -> None:
-    if cfg.loss_max_clamp is not None and cfg.loss_max_clamp <= 0:
-        raise UserError(f"{source}: key 'objective.loss_max_clamp' = {cfg.loss_max_clamp}; expected > 0 or null")
+    if cfg.use_policy_gradient:
+        check_pg(cfg, source)
 
 
 def per_token(chunk, cfg):
     s_logp = torch.log_softmax(chunk.student_logits, dim=-1)  # [n, V]
     s_top = s_logp.gather(-1, chunk.topk_ids)  # [n, k]
-    t_top = chunk.topk_logprobs  # [n, k]
+    t_top = chunk.topk_logprobs.float()  # [n, k]
     t_c = t_top.clamp_min(cfg.log_prob_min_clamp)
     s_c = s_top.clamp_min(cfg.log_prob_min_clamp)
-    loss = (t_c.exp() * (t_c - s_c)).sum(-1)  # [n]
-    if cfg.loss_max_clamp is not None:
-        loss = loss.clamp_max(cfg.loss_max_clamp)
-    loss = loss.clamp_min(0.0)
+    kl = (t_c.exp() * (t_c - s_c)).sum(-1).clamp_min(0.0)  # [n]
+    kl = clamp_loss(kl, cfg)
     with torch.no_grad():
         diag = {
             "teacher_topk_mass": t_top.exp().sum(-1),
             "student_topk_mass": s_top.exp().sum(-1),
-            # overlap: fraction of the teacher's top-k that is also in the student's top-k
+            # fraction of the teacher's top-k ids that are also among the student's top-k
             "topk_overlap": _overlap(s_logp, chunk.topk_ids),
+            "distill_loss": kl.detach(),
         }
-    return loss, diag
+    if not cfg.use_policy_gradient:
+        return kl, diag
+    logp = s_logp.gather(-1, chunk.sampled_ids.unsqueeze(-1)).squeeze(-1)  # [n]
+    loss, pg_diag = ppo_per_token(logp, chunk.old_logprobs, -kl.detach(), cfg)
+    return loss, {**diag, **pg_diag}
 
 
 def _overlap(s_logp: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     k = topk_ids.shape[-1]
     s_ids = s_logp.topk(k, dim=-1).indices  # [n, k]
     return (topk_ids.unsqueeze(-1) == s_ids.unsqueeze(-2)).any(-1).float().mean(-1)
+

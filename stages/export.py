@@ -1,0 +1,76 @@
+"""export: a standard PEFT adapter dir, the student base it applies to, and a provenance manifest.
+
+    base = AutoModelForCausalLM.from_pretrained("artifacts/export/<run>/base")
+    model = PeftModel.from_pretrained(base, "artifacts/export/<run>/adapter")
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from . import models
+from .session import Session
+from .store import write_json
+
+
+def _copy_tree(src: Path, dst: Path) -> None:
+    """Hard-link where possible (same filesystem, no bytes copied), else copy."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.name not in ("manifest.json", "state.json"):
+            target = dst / f.name
+            target.unlink(missing_ok=True)
+            try:
+                os.link(f, target)
+            except OSError:
+                shutil.copy2(f, target)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while b := fh.read(1 << 22):
+            h.update(b)
+    return h.hexdigest()
+
+
+def run(sess: Session, out: Path | None = None) -> Path:
+    cfg = sess.cfg
+    out = Path(out or Path(cfg.artifacts) / "export" / cfg.run)
+    final = sess.policy_digest(cfg.train.updates)
+    pol = sess.store.get("update" if cfg.train.updates else "init", final)
+    if pol is None:
+        from . import train
+
+        train.ensure_policy(sess, cfg.train.updates)
+        pol = sess.store.path("update" if cfg.train.updates else "init", final)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    _copy_tree(sess.store.path("model", sess.prepared["student"]), tmp / "base")
+    _copy_tree(pol / "adapter", tmp / "adapter")
+    acfg = json.loads((tmp / "adapter" / "adapter_config.json").read_text())
+    acfg["base_model_name_or_path"] = "../base"  # relative to the adapter dir
+    (tmp / "adapter" / "adapter_config.json").unlink()
+    (tmp / "adapter" / "adapter_config.json").write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
+    files = {str(p.relative_to(tmp)): sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    write_json(tmp / "manifest.json", {
+        "run": cfg.run, "versions": models.env_versions(), "device": sess.device.type,
+        "dtype": str(sess.dtype), "student": cfg.student.name, "teacher": cfg.teacher.name,
+        "digests": {"prepared": sess.prepared, "initial_policy": sess.policy_digest(0), "final_policy": final,
+                    "steps": {k: {"rollout": sess.rollout_digest(k), "score": sess.score_digest(k),
+                                  "update": sess.update_digest(k)} for k in range(1, cfg.train.updates + 1)}},
+        "sha256": files,
+    })
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def main(sess: Session, out: Path | None = None) -> Path:
+    d = run(sess, out)
+    print(f"export: {d}/adapter (PEFT), {d}/base, {d}/manifest.json")
+    return d

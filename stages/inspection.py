@@ -1,0 +1,98 @@
+"""`opd inspect`: trajectories readably — prompt, response, per-token sampled log-prob and teacher
+log-prob, the largest teacher-student gaps highlighted. `--format json` for scripts."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from . import tables
+from .errors import UserError
+
+
+def _locate(path: Path, step: int | None) -> tuple[Path, Path | None]:
+    if path.is_dir():
+        if step is not None:
+            path = path / f"step-{step:04d}"
+        elif not (path / "rollout.parquet").exists():  # a run dir: its last step
+            steps = sorted(p for p in path.glob("step-*") if (p / "rollout.parquet").exists())
+            if not steps:
+                raise UserError(f"{path}: no step-*/rollout.parquet below it")
+            path = steps[-1]
+        path = path / "rollout.parquet"
+    if path.name == "scores.parquet":
+        path = path.with_name("rollout.parquet")
+    sc = path.with_name("scores.parquet")
+    return path, sc if sc.exists() else None
+
+
+def trajectories(path: Path, step: int | None = None) -> list[dict]:
+    ro_path, sc_path = _locate(path, step)
+    ro = tables.read(ro_path, {"uid": None, "response_ids": None, "sample_logprobs": None})
+    lps = tables.lists(ro, "sample_logprobs")
+    teacher = {}
+    if sc_path:
+        sc = tables.read(sc_path, {"uid": None, "teacher_logprobs": None})
+        teacher = dict(zip(sc.column("uid").to_pylist(), tables.lists(sc, "teacher_logprobs")))
+    tok = _tokenizer(ro_path)
+    out = []
+    for i, row in enumerate(ro.select([c for c in ("uid", "step", "prompt_text", "response_text", "response_ids",
+                                                    "finish_reason") if c in ro.column_names]).to_pylist()):
+        t = teacher.get(row["uid"])
+        s = lps[i]
+        gap = (t - s) if t is not None else None
+        pieces = [tok.decode([x]) for x in row["response_ids"]] if tok else [str(x) for x in row["response_ids"]]
+        out.append({**row, "tokens": pieces, "sample_logprobs": s.tolist(),
+                    "teacher_logprobs": None if t is None else t.tolist(),
+                    "mean_gap": None if gap is None or not len(gap) else float(np.abs(gap).mean())})
+    return out
+
+
+def _tokenizer(ro_path: Path):
+    """The student's tokenizer, found through the run view's prepare.json (None if unavailable)."""
+    run_dir = ro_path.parent.parent
+    prep = run_dir / "prepare.json"
+    if not prep.exists():
+        return None
+    from transformers import AutoTokenizer
+
+    dig = json.loads(prep.read_text())["student"]
+    store = run_dir.parent.parent / "store" / "model" / dig
+    return AutoTokenizer.from_pretrained(store) if (store / "tokenizer_config.json").exists() else None
+
+
+def main(args) -> None:
+    rows = trajectories(Path(args.path), args.step)
+    if args.uid:
+        rows = [r for r in rows if r["uid"] == args.uid]
+        if not rows:
+            raise UserError(f"--uid {args.uid}: no such trajectory in {args.path}")
+    if args.worst:
+        rows = sorted(rows, key=lambda r: -(r["mean_gap"] or 0))[:args.worst]
+    elif not args.uid:
+        rows = rows[:args.limit]
+    if args.format == "json":
+        json.dump(rows, sys.stdout, indent=1)
+        print()
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    for r in rows:
+        con.rule(f"[bold]{r['uid']}[/]  finish={r.get('finish_reason')}  mean |gap|={r['mean_gap'] or 0:.3f}")
+        for label in ("prompt", "response"):
+            con.print(f"[bold]{label}[/]")
+            con.print(r.get(f"{label}_text", ""), markup=False, highlight=False)
+        t = Table("pos", "token", "sampled logp", "teacher logp", "gap")
+        teacher = r["teacher_logprobs"]
+        gaps = [abs(a - b) for a, b in zip(teacher, r["sample_logprobs"])] if teacher else []
+        worst = set(np.argsort(gaps)[-3:].tolist()) if gaps else set()
+        for j, piece in enumerate(r["tokens"]):
+            tl = f"{teacher[j]:.3f}" if teacher else "-"
+            g = f"{teacher[j] - r['sample_logprobs'][j]:+.3f}" if teacher else "-"
+            style = "bold red" if j in worst else None
+            t.add_row(str(j), repr(piece), f"{r['sample_logprobs'][j]:.3f}", tl, g, style=style)
+        con.print(t)

@@ -1,0 +1,101 @@
+"""Teacher-forced forwards shared by score, update and evaluate.
+
+Only the positions that predict response tokens reach the LM head, in position chunks, so no
+[tokens, vocab] fp32 tensor exists beyond one chunk ([chunk, vocab]).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Packed:
+    ids: torch.Tensor  # [B, T] prompt+response, right-padded
+    attn: torch.Tensor  # [B, T] 1 on real tokens
+    rows: torch.Tensor  # [n] batch row of each response position (all response tokens, mask 0 included)
+    cols: torch.Tensor  # [n] sequence position whose hidden state predicts that response token
+    targets: torch.Tensor  # [n] the response token
+    mask: torch.Tensor  # [B, R] response_mask padded to the longest response (0 beyond length)
+    offsets: list[int]  # start of each row's response positions within the n positions
+
+
+def pack(prompts: list[list[int]], responses: list[list[int]], masks: list[list[int]], pad: int,
+         device) -> Packed:
+    B = len(prompts)
+    T = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    R = max(1, max(len(r) for r in responses))
+    ids = torch.full((B, T), pad, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, R)
+    rows, cols, targets, offsets = [], [], [], []
+    for b, (p, r, m) in enumerate(zip(prompts, responses, masks)):
+        p, r, m = [int(x) for x in p], [int(x) for x in r], [int(x) for x in m]
+        seq = p + r
+        ids[b, :len(seq)] = torch.tensor(seq)
+        attn[b, :len(seq)] = 1
+        mask[b, :len(m)] = torch.tensor(m, dtype=torch.float)
+        offsets.append(len(rows))
+        rows += [b] * len(r)
+        cols += range(len(p) - 1, len(p) + len(r) - 1)
+        targets += r
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    return Packed(ids.to(device), attn.to(device), t(rows), t(cols), t(targets), mask.to(device), offsets)
+
+
+def base_of(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def hidden(model, p: Packed) -> torch.Tensor:
+    """Backbone hidden states at the response-predicting positions: [n, H]."""
+    out = base_of(model).model(input_ids=p.ids, attention_mask=p.attn, use_cache=False)
+    return out.last_hidden_state[p.rows, p.cols]
+
+
+def head_weight(model) -> torch.Tensor:
+    return base_of(model).lm_head.weight
+
+
+def chunks(n: int, size: int):
+    for s in range(0, n, size):
+        yield slice(s, min(n, s + size))
+
+
+@torch.no_grad()
+def score_positions(h: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, chunk: int, topk: int,
+                    temperature: float = 1.0, want_topk: bool = True):
+    """Per position: log-prob of the target, top-k ids/log-probs, entropy. h [n, H] -> [n], [n,k], [n,k], [n]."""
+    n = h.shape[0]
+    lp = torch.empty(n, device=h.device)
+    ent = torch.empty(n, device=h.device)
+    k = topk if want_topk else 0
+    ids = torch.empty(n, k, dtype=torch.long, device=h.device)
+    tlp = torch.empty(n, k, device=h.device)
+    for c in chunks(n, chunk):
+        logp = torch.log_softmax(F.linear(h[c], head).float() / temperature, dim=-1)  # [c, V]
+        lp[c] = logp.gather(-1, targets[c, None]).squeeze(-1)
+        ent[c] = -(logp.exp() * logp).sum(-1)
+        if k:
+            v, i = logp.topk(k, dim=-1)
+            ids[c], tlp[c] = i, v
+        del logp
+    return lp, ids, tlp, ent
+
+
+@torch.no_grad()
+def kl_positions(h_t: torch.Tensor, head_t: torch.Tensor, h_s: torch.Tensor, head_s: torch.Tensor, chunk: int):
+    """Exact per-position KL(teacher || student) over the full vocabulary and top-1 agreement, chunked.
+
+    h_t/h_s [n, H] -> kl [n], agree [n] (1.0 where both argmaxes coincide)."""
+    n = h_t.shape[0]
+    kl = torch.empty(n, device=h_t.device)
+    agree = torch.empty(n, device=h_t.device)
+    for c in chunks(n, chunk):
+        lt = torch.log_softmax(F.linear(h_t[c], head_t).float(), -1)  # [c, V]
+        ls = torch.log_softmax(F.linear(h_s[c], head_s).float(), -1)
+        kl[c] = (lt.exp() * (lt - ls)).sum(-1)
+        agree[c] = (lt.argmax(-1) == ls.argmax(-1)).float()
+    return kl, agree

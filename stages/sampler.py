@@ -1,0 +1,325 @@
+"""The rollout engine: batched sampling with a static KV cache and, on CUDA, a captured CUDA graph
+of the decode step, so no per-token Python dispatch remains. The same code runs on CPU (eager).
+
+The decoder below is a compact functional re-statement of the Llama-family forward (Llama,
+SmolLM2, Qwen2, Qwen3) over plain weight tensors, mirroring transformers' numerics (fp32 RMSNorm,
+fp32 rotary tables cast to the compute dtype). The LoRA is merged into these sampling weights once
+per policy version when the base is not quantized; a quantized base or an unsupported architecture
+uses `hf_generate` (transformers forward, LoRA unmerged) with a one-line warning.
+
+Sampling draws one uniform per (step, sequence) up front from a generator seeded by the stage
+digest and inverts the CDF of the tempered distribution, so sampling is reproducible exactly and
+the random draw lives inside the captured graph. The recorded log-prob of a sampled token is
+under the full tempered distribution (what the update's teacher-forced forward recomputes).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class Rollout:
+    tokens: torch.Tensor  # [B, N] int64 (positions after a sequence finished hold pad)
+    logprobs: torch.Tensor  # [B, N] float32
+    lengths: torch.Tensor  # [B] int64, response length including the EOS token when one was emitted
+    finished: torch.Tensor  # [B] bool, True when the sequence emitted EOS
+
+
+def _base(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def supported(model) -> str | None:
+    """None if the fast path can run this model, else the reason."""
+    base = _base(model)
+    mtype = getattr(base.config, "model_type", "?")
+    if mtype not in SUPPORTED:
+        return f"architecture {mtype!r} has no fast decode path"
+    if getattr(base, "is_quantized", False) or getattr(base, "hf_quantizer", None) is not None:
+        return "quantized base (LoRA runs unmerged through transformers)"
+    return None
+
+
+def _weight(lin, dtype) -> torch.Tensor:
+    """Weight of a Linear, with any active PEFT LoRA delta merged in (fp32 math, one rounding)."""
+    if hasattr(lin, "base_layer"):
+        w = lin.base_layer.weight.float()
+        if not getattr(lin, "disable_adapters", False):
+            for name in lin.active_adapters:
+                if name in lin.lora_A:
+                    w = w + lin.get_delta_weight(name).float()
+        return w.to(dtype).contiguous()
+    return lin.weight.to(dtype)
+
+
+def _bias(lin):
+    lin = getattr(lin, "base_layer", lin)
+    return lin.bias
+
+
+@torch.no_grad()
+def sampling_weights(model) -> dict:
+    """Plain tensors for the functional decoder; merged LoRA. Built once per policy version."""
+    base = _base(model)
+    inner, cfg = base.model, base.config
+    dtype = inner.embed_tokens.weight.dtype
+    layers = []
+    for layer in inner.layers:
+        a, m = layer.self_attn, layer.mlp
+        w = {p: _weight(getattr(a if p in PROJ[:4] else m, p), dtype) for p in PROJ}
+        w.update({f"{p}_bias": _bias(getattr(a, p)) for p in PROJ[:3]})
+        w["ln1"], w["ln2"] = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        w["q_norm"] = getattr(getattr(a, "q_norm", None), "weight", None)
+        w["k_norm"] = getattr(getattr(a, "k_norm", None), "weight", None)
+        layers.append(w)
+    rot = inner.rotary_emb
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return {
+        "layers": layers, "embed": inner.embed_tokens.weight, "norm": inner.norm.weight,
+        "head": _weight(base.lm_head, dtype), "eps": cfg.rms_norm_eps, "dtype": dtype,
+        "inv_freq": rot.inv_freq.float(), "rope_scale": float(getattr(rot, "attention_scaling", 1.0)),
+        "n_heads": cfg.num_attention_heads, "n_kv": cfg.num_key_value_heads, "head_dim": head_dim,
+        "n_layers": len(layers), "act": cfg.hidden_act,
+    }
+
+
+def _rms(x, w, eps):
+    dt = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return w * x.to(dt)
+
+
+def _rope(x, cos, sin):
+    # x [B, H, T, D]; cos/sin [B, 1, T, D]
+    h = x.shape[-1] // 2
+    rot = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return x * cos + rot * sin
+
+
+def _forward(W, ids, pos, cache_k, cache_v, slots, key_valid):
+    """One forward over T new tokens per sequence, writing their K/V into the static cache.
+
+    ids [B, T]; pos [B, T] rotary positions; cache_k/v [n_layers, B, n_kv, L, D];
+    slots [T] cache slots for the new tokens; key_valid [B, T, L] bool. Returns hidden [B, T, H].
+    """
+    B, T = ids.shape
+    H, KV, D, dt = W["n_heads"], W["n_kv"], W["head_dim"], W["dtype"]
+    x = F.embedding(ids, W["embed"])
+    freqs = pos.float()[..., None] * W["inv_freq"]  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = (emb.cos() * W["rope_scale"]).to(dt)[:, None]  # [B, 1, T, D]
+    sin = (emb.sin() * W["rope_scale"]).to(dt)[:, None]
+    mask = key_valid[:, None]  # [B, 1, T, L]
+    act = getattr(F, W["act"]) if W["act"] != "swish" else F.silu
+    for i, w in enumerate(W["layers"]):
+        h = _rms(x, w["ln1"], W["eps"])
+        q = F.linear(h, w["q_proj"], w["q_proj_bias"]).view(B, T, H, D)
+        k = F.linear(h, w["k_proj"], w["k_proj_bias"]).view(B, T, KV, D)
+        v = F.linear(h, w["v_proj"], w["v_proj_bias"]).view(B, T, KV, D)
+        if w["q_norm"] is not None:  # Qwen3 normalises each head before rotary
+            q, k = _rms(q, w["q_norm"], W["eps"]), _rms(k, w["k_norm"], W["eps"])
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        cache_k[i].index_copy_(2, slots, k)
+        cache_v[i].index_copy_(2, slots, v)
+        o = F.scaled_dot_product_attention(q, cache_k[i], cache_v[i], attn_mask=mask, enable_gqa=KV != H)
+        x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * D), w["o_proj"])
+        h = _rms(x, w["ln2"], W["eps"])
+        x = x + F.linear(act(F.linear(h, w["gate_proj"])) * F.linear(h, w["up_proj"]), w["down_proj"])
+    return _rms(x, W["norm"], W["eps"])
+
+
+def _pick(logits, u, temperature, top_p, greedy, block_eos, eos):
+    """logits [B, V] -> (token [B], log-prob under the tempered distribution [B])."""
+    logits = logits.float()
+    if block_eos is not None:  # min_new_tokens: EOS impossible before then (benchmarks)
+        logits[:, eos] = torch.where(block_eos, float("-inf"), logits[:, eos])
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    if greedy:
+        tok = logp.argmax(-1)
+    else:
+        probs = logp.exp()
+        if top_p < 1.0:
+            sp, si = probs.sort(-1, descending=True)
+            keep = (sp.cumsum(-1) - sp) < top_p  # always keeps the first
+            sp = sp * keep
+            cdf = sp.cumsum(-1)
+            j = torch.searchsorted(cdf, (u * cdf[:, -1:].squeeze(-1))[:, None]).clamp_max(sp.shape[-1] - 1)
+            tok = si.gather(-1, j).squeeze(-1)
+        else:
+            cdf = probs.cumsum(-1)
+            tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_max(probs.shape[-1] - 1).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+class Engine:
+    """Sampling for one policy version: weights, static KV cache and captured graphs per bucket."""
+
+    def __init__(self, model, use_graphs: bool = True):
+        self.model = model
+        self.W = sampling_weights(model)
+        self.device = self.W["embed"].device
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.graphs: dict[tuple, dict] = {}
+
+    def refresh(self, model=None) -> None:
+        """New policy version: re-merge the LoRA into the sampling weights in place (graphs stay valid)."""
+        new = sampling_weights(model or self.model)
+        for old_l, new_l in zip(self.W["layers"], new["layers"]):
+            for p in PROJ:
+                if old_l[p] is not new_l[p] and old_l[p].data_ptr() != new_l[p].data_ptr():
+                    old_l[p].copy_(new_l[p])
+        if self.W["head"].data_ptr() != new["head"].data_ptr():
+            self.W["head"].copy_(new["head"])
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new: int, *, eos: int, pad: int, seed: int,
+                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                 min_new: int = 0) -> Rollout:
+        W, dev = self.W, self.device
+        B = len(prompts)
+        P = max(len(p) for p in prompts)
+        if self.use_graphs:
+            P = -(-P // 16) * 16  # bucket the prompt length so graphs are reused across batches
+        L = P + max_new
+        pad_len = torch.tensor([P - len(p) for p in prompts], device=dev)  # left padding
+        ids = torch.full((B, P), pad, dtype=torch.long, device=dev)
+        for b, p in enumerate(prompts):
+            ids[b, P - len(p):] = torch.tensor(p, device=dev)
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        u = torch.rand(max_new, B, generator=g).to(dev)  # [N, B] one uniform per draw
+
+        shape = (W["n_layers"], B, W["n_kv"], L, W["head_dim"])
+        ck = torch.zeros(shape, dtype=W["dtype"], device=dev)
+        cv = torch.zeros_like(ck)
+        keys = torch.arange(L, device=dev)
+        # prefill: causal over the padded block, pads never attended
+        qpos = torch.arange(P, device=dev)
+        valid = (keys[None, None, :] <= qpos[None, :, None]) & (keys[None, None, :] >= pad_len[:, None, None])
+        valid |= (qpos[None, :, None] < pad_len[:, None, None]) & (keys[None, None, :] == qpos[None, :, None])
+        pos = (qpos[None, :] - pad_len[:, None]).clamp_min(0)
+        h = _forward(W, ids, pos, ck, cv, qpos, valid)[:, -1]  # [B, H]
+        logits = F.linear(h, W["head"])
+        block = torch.full((B,), min_new > 0, device=dev)
+        tok, lp = _pick(logits, u[0], temperature, top_p, greedy, block if min_new > 0 else None, eos)
+
+        st = {  # static state the decode step reads and updates in place
+            "tok": tok.clone(), "slot": torch.tensor([P], device=dev), "step": torch.tensor([1], device=dev),
+            "done": tok == eos, "out": torch.full((B, max_new), pad, dtype=torch.long, device=dev),
+            "lp": torch.zeros(B, max_new, device=dev), "u": u, "ck": ck, "cv": cv, "pad_len": pad_len,
+            "keys": keys,
+        }
+        st["out"][:, 0], st["lp"][:, 0] = tok, lp
+
+        def step():
+            slot, k = st["slot"], st["step"]
+            valid = ((st["keys"][None, :] >= st["pad_len"][:, None]) & (st["keys"][None, :] <= slot))[:, None]
+            h = _forward(W, st["tok"][:, None], (slot - st["pad_len"])[:, None], st["ck"], st["cv"], slot, valid)
+            logits = F.linear(h[:, 0], W["head"])
+            blk = (k < min_new).expand(B) if min_new > 0 else None
+            t, l = _pick(logits, st["u"].index_select(0, k.clamp_max(max_new - 1))[0], temperature, top_p,
+                         greedy, blk, eos)
+            t = torch.where(st["done"], torch.full_like(t, pad), t)
+            l = torch.where(st["done"], torch.zeros_like(l), l)
+            st["out"].index_copy_(1, k, t[:, None])
+            st["lp"].index_copy_(1, k, l[:, None])
+            st["done"] |= t == eos
+            st["tok"].copy_(t)
+            slot.add_(1)
+            k.add_(1)
+
+        run = self._graph(step, st, (B, P, max_new, temperature, top_p, greedy, min_new)) \
+            if self.use_graphs else step
+        for i in range(1, max_new):
+            if i % 8 == 0 and bool(st["done"].all()):  # one host sync per 8 steps
+                break
+            run()
+        done = st["done"]
+        out, lps = st["out"], st["lp"]
+        is_eos = out == eos
+        first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full((B,), max_new, device=dev))
+        lengths = torch.where(done, first + 1, torch.full_like(first, max_new))
+        return Rollout(out.cpu(), lps.float().cpu(), lengths.cpu(), done.cpu())
+
+    def _graph(self, step, st, key):
+        """Capture `step` once per (batch, prompt bucket, length, sampling settings); replay after."""
+        g = self.graphs.get(key)
+        if g is None:
+            snap = {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    step()  # warm-up: kernel selection and allocator pools before capture
+            torch.cuda.current_stream().wait_stream(s)
+            for k, v in snap.items():
+                st[k].copy_(v)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            for k, v in snap.items():
+                st[k].copy_(v)
+            g = {"graph": graph, "st": st}
+            self.graphs[key] = g
+            return graph.replay
+        # a cached graph reads its own static tensors: load this call's state into them
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                g["st"][k].copy_(v)
+        st.clear()
+        st.update(g["st"])
+        return g["graph"].replay
+
+
+def hf_generate(model, prompts, max_new, *, eos, pad, seed, temperature=1.0, top_p=1.0, greedy=False,
+                min_new=0) -> Rollout:
+    """Fallback: transformers forward with a dynamic cache (quantized bases, other architectures)."""
+    dev = next(model.parameters()).device
+    B, P = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, P), pad, dtype=torch.long, device=dev)
+    am = torch.zeros(B, P, dtype=torch.long, device=dev)
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p):] = torch.tensor(p, device=dev)
+        am[b, P - len(p):] = 1
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    u = torch.rand(max_new, B, generator=g).to(dev)
+    out = torch.full((B, max_new), pad, dtype=torch.long)
+    lps = torch.zeros(B, max_new)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    past, cur, pos = None, ids, (am.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        for i in range(max_new):
+            o = model(input_ids=cur, attention_mask=am, position_ids=pos, past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            blk = torch.full((B,), i < min_new, device=dev) if min_new > 0 else None
+            t, l = _pick(o.logits[:, -1], u[i], temperature, top_p, greedy, blk, eos)
+            t = torch.where(done, torch.full_like(t, pad), t)
+            l = torch.where(done, torch.zeros_like(l), l)
+            out[:, i], lps[:, i] = t.cpu(), l.float().cpu()
+            done |= t == eos
+            if bool(done.all()):
+                break
+            cur = t[:, None]
+            am = torch.cat([am, torch.ones(B, 1, dtype=am.dtype, device=dev)], 1)
+            pos = pos[:, -1:] + 1
+    is_eos = out == eos
+    first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full((B,), max_new))
+    lengths = torch.where(done.cpu(), first + 1, torch.full_like(first, max_new))
+    return Rollout(out, lps, lengths, done.cpu())
+
+
+def make(model, use_graphs: bool):
+    """Engine for `model`, or None (with a one-line warning) when the fast path cannot run it."""
+    why = supported(model)
+    if why:
+        print(f"warning: rollout uses the transformers fallback: {why}", file=sys.stderr)
+        return None
+    return Engine(model, use_graphs)

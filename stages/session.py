@@ -1,0 +1,176 @@
+"""A resolved run: config, store, device, and the digest chain of its stages.
+
+policy(0) = init digest; rollout(k) reads policy(k-1); score(k) reads rollout(k); update(k) reads
+policy(k-1), rollout(k), score(k) and *is* policy(k). Each digest covers only the config slice its
+stage reads, which is what makes cross-run reuse work (change the objective: rollout(1) is reused;
+4 -> 6 updates: updates 1-4 are reused).
+"""
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from . import models, objectives
+from .config import Config, slice_of
+from .errors import UserError
+from .store import Store, digest, link, write_json
+
+# Stage code versions: bump when a stage's output for the same inputs would change.
+VERSIONS = {"tokenizer": 1, "model": 1, "prompts": 1, "init": 1, "rollout": 1, "score": 1, "update": 1,
+            "evaluate": 1}
+
+
+class Session:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.store = Store(cfg.artifacts)
+        self.run_dir = Path(cfg.artifacts) / "runs" / cfg.run
+        self.device = models.resolve_device(cfg.runtime.device)
+        self.dtype = models.resolve_dtype(cfg.runtime.dtype, self.device)
+        if cfg.runtime.threads:
+            torch.set_num_threads(cfg.runtime.threads)
+        self._prepared: dict | None = None
+        self._digests: dict[tuple, str] = {}
+        self._student = self._teacher = self._engine = None
+        self._policy: str | None = None  # digest of the policy whose adapter the student holds
+
+    # ---- resident models (loaded on first use, kept for the whole loop) ----
+    def student(self):
+        if self._student is None:
+            from .store import seed_of
+
+            base = models.load(self.store.path("model", self.prepared["student"]), self.cfg.student,
+                               self.device, self.dtype)
+            self._student = models.add_lora(base, self.cfg.lora, seed_of(self.init_digest()))
+        return self._student
+
+    def teacher(self):
+        if self._teacher is None:
+            self._teacher = models.load(self.store.path("model", self.prepared["teacher"]), self.cfg.teacher,
+                                        self.device, self.dtype)
+        return self._teacher
+
+    def use_policy(self, k: int):
+        """The student holding policy version k (adapter read back from the store)."""
+        student, dig = self.student(), self.policy_digest(k)
+        if self._policy != dig:
+            models.load_lora(student, self.store.path("init" if k == 0 else "update", dig) / "adapter")
+            self._policy = dig
+            if self._engine:
+                self._engine.refresh()
+        return student
+
+    def engine(self):
+        """The rollout engine for the student's current policy (None: transformers fallback)."""
+        if self._engine is None:
+            from . import sampler
+
+            self._engine = sampler.make(self.student(), self.cfg.rollout.cuda_graphs) or False
+        return self._engine or None
+
+    # ---- what prepare published (read back from the run view or recomputed) ----
+    @property
+    def prepared(self) -> dict:
+        if self._prepared is None:
+            from . import prepare
+
+            self._prepared = prepare.run(self)
+        return self._prepared
+
+    def runtime_slice(self) -> dict:
+        return {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch.")}
+
+    # ---- digest chain ----
+    def init_digest(self) -> str:
+        return digest("init", VERSIONS["init"], slice_of(self.cfg, "lora"),
+                      {"student": self.prepared["student"]})
+
+    def policy_digest(self, k: int) -> str:
+        return self.init_digest() if k == 0 else self.update_digest(k)
+
+    def rollout_digest(self, k: int) -> str:
+        key = ("rollout", k)
+        if key not in self._digests:
+            s = slice_of(self.cfg, "rollout", "data.max_prompt_tokens")
+            s["rollout"].pop("cuda_graphs")  # graphs replay the same kernels: not part of identity
+            s.update(step=k, runtime=self.runtime_slice())
+            self._digests[key] = digest("rollout", VERSIONS["rollout"], s, {
+                "policy": self.policy_digest(k - 1), "prompts": self.prepared["prompts"],
+                "student": self.prepared["student"]})
+        return self._digests[key]
+
+    def score_digest(self, k: int) -> str:
+        key = ("score", k)
+        if key not in self._digests:
+            ob = self.cfg.objective
+            s = {"needs": sorted(objectives.needs(ob)), "topk": ob.topk, "chunk": self.cfg.train.chunk,
+                 "temperature": self.cfg.rollout.temperature, "runtime": self.runtime_slice()}
+            self._digests[key] = digest("score", VERSIONS["score"], s, {
+                "rollout": self.rollout_digest(k), "teacher": self.prepared["teacher"]})
+        return self._digests[key]
+
+    def update_digest(self, k: int) -> str:
+        key = ("update", k)
+        if key not in self._digests:
+            s = slice_of(self.cfg, "objective", "optim", "lora", "train.chunk", "rollout.temperature")
+            s.update(step=k, runtime=self.runtime_slice())
+            self._digests[key] = digest("update", VERSIONS["update"], s, {
+                "policy": self.policy_digest(k - 1), "rollout": self.rollout_digest(k),
+                "score": self.score_digest(k), "student": self.prepared["student"]})
+        return self._digests[key]
+
+    # ---- run view ----
+    def step_dir(self, k: int) -> Path:
+        return self.run_dir / f"step-{k:04d}"
+
+    def link_step(self, k: int) -> None:
+        d = self.step_dir(k)
+        pol = self.store.path("init" if k == 0 else "update", self.policy_digest(k))
+        link(pol / "adapter", d / "adapter")
+        link(pol / "optimizer.safetensors", d / "optimizer.safetensors")
+        state = {"policy": json.loads((pol / "state.json").read_text())}
+        if k > 0:
+            for name, dig in (("rollout", self.rollout_digest(k)), ("score", self.score_digest(k))):
+                sd = self.store.path(name, dig)
+                link(sd / f"{'scores' if name == 'score' else name}.parquet",
+                     d / f"{'scores' if name == 'score' else name}.parquet")
+                state[name] = json.loads((sd / "state.json").read_text())
+        write_json(d / "state.json", state)
+
+
+@contextmanager
+def phase(device: torch.device, record: dict, tokens: int = 0):
+    """Time a phase and record wall time, tokens/s and peak memory into `record`."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    box = {"tokens": tokens}
+    yield box
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        record["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 4)
+        record["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 4)
+    else:
+        record["peak_rss_gib"] = round(_rss_peak() / 2**30, 4)
+    dt = time.perf_counter() - t0
+    record["wall_s"] = round(dt, 4)
+    if box["tokens"]:
+        record["tokens"] = int(box["tokens"])
+        record["tokens_per_s"] = round(box["tokens"] / max(dt, 1e-9), 1)
+
+
+def _rss_peak() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def require_tokenizer_match(fp_student: str, fp_teacher: str, s_name: str, t_name: str) -> None:
+    if fp_student != fp_teacher:
+        raise UserError(f"tokenizer mismatch: student {s_name!r} ({fp_student[:12]}) and teacher {t_name!r} "
+                        f"({fp_teacher[:12]}) must share one tokenizer")

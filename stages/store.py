@@ -1,0 +1,197 @@
+"""The content-addressed store: `artifacts/store/<stage>/<digest>/`.
+
+A stage's digest is xxh3_128 of the canonical JSON of (stage name, stage code version, the config
+slice it reads, the digests of its inputs). Outputs are published atomically: written into a
+temporary sibling, fsynced, per-file content hashes recorded in `manifest.json` (written last),
+then renamed into place. A directory whose manifest is missing or does not match its files is
+treated as absent: moved aside (never deleted, so nothing is lost) and recomputed.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable
+
+import xxhash
+
+from .errors import UserError
+
+MANIFEST = "manifest.json"
+# Files whose content is a record of how a computation went (timings, memory), not what it
+# computed: hashed for integrity like every file, but never part of the byte-identity claims.
+VOLATILE = {"state.json"}
+
+
+def canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def digest(stage: str, version: str | int, cfg_slice: dict, inputs: dict[str, str]) -> str:
+    return xxhash.xxh3_128_hexdigest(
+        canonical({"stage": stage, "version": str(version), "config": cfg_slice, "inputs": inputs}))
+
+
+def file_hash(path: str | os.PathLike) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def seed_of(dig: str) -> int:
+    """Each stage seeds its randomness from its own digest, never from process state."""
+    return int(dig[:15], 16)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fault(point: str) -> None:
+    """Fault injection for the reliability tests: OPD_FAULT=<point>[:<n>] SIGKILLs this process the
+    n-th time it reaches <point> (default the first)."""
+    spec = os.environ.get("OPD_FAULT")
+    if not spec:
+        return
+    name, _, nth = spec.partition(":")
+    if name != point:
+        return
+    count = _FAULT_COUNTS.get(point, 0) + 1
+    _FAULT_COUNTS[point] = count
+    if count == int(nth or 1):
+        os.kill(os.getpid(), 9)
+
+
+_FAULT_COUNTS: dict[str, int] = {}
+
+
+class Store:
+    def __init__(self, artifacts: str | os.PathLike):
+        self.artifacts = Path(artifacts)
+        self.root = self.artifacts / "store"
+        self._verified: set[Path] = set()
+
+    def path(self, stage: str, dig: str) -> Path:
+        return self.root / stage / dig
+
+    def verify(self, d: Path) -> bool:
+        """True iff `d` holds a manifest whose per-file hashes all match (checked once per process)."""
+        if d in self._verified:
+            return True
+        man = d / MANIFEST
+        if not man.is_file():
+            return False
+        try:
+            files = json.loads(man.read_text())["files"]
+        except (ValueError, KeyError):
+            self._warn(f"{man}: unreadable manifest; recomputing")
+            return False
+        present = {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()} - {MANIFEST}
+        if present != set(files):
+            self._warn(f"{d}: files differ from the manifest ({sorted(present ^ set(files))[:3]}); recomputing")
+            return False
+        for rel, meta in files.items():
+            f = d / rel
+            if f.stat().st_size != meta["size"] or file_hash(f) != meta["xxh3_128"]:
+                self._warn(f"{f}: content hash mismatch; recomputing")
+                return False
+        self._verified.add(d)
+        return True
+
+    def get(self, stage: str, dig: str) -> Path | None:
+        d = self.path(stage, dig)
+        if d.exists() and self.verify(d):
+            return d
+        return None
+
+    def ensure(self, stage: str, dig: str, produce: Callable[[Path], Any]) -> tuple[Path, bool]:
+        """Return the published dir for (stage, dig), running `produce(tmpdir)` only if absent.
+
+        Returns (path, computed). One writer per digest: an exclusive lock file serialises two
+        processes on the same store; the second finds the first one's result published."""
+        if (d := self.get(stage, dig)) is not None:
+            return d, False
+        parent = self.root / stage
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"{parent}: artifacts dir is not writable ({e.strerror})") from None
+        with self._lock(parent / f".{dig}.lock"):
+            if (d := self.get(stage, dig)) is not None:
+                return d, False
+            tmp = parent / f".tmp-{dig}-{os.getpid()}"
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            try:
+                produce(tmp)
+                self._seal(tmp, stage, dig)
+                final = self.path(stage, dig)
+                if final.exists():  # a broken earlier publish: keep it aside, never delete data
+                    os.replace(final, parent / f".corrupt-{dig}-{int(time.time())}")
+                _fault("publish.before_rename")
+                os.replace(tmp, final)
+                _fsync_dir(parent)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            self._verified.add(final)
+            return final, True
+
+    def _seal(self, tmp: Path, stage: str, dig: str) -> None:
+        files = {}
+        for p in sorted(tmp.rglob("*")):
+            if p.is_file():
+                with open(p, "rb+") as f:
+                    os.fsync(f.fileno())
+                files[str(p.relative_to(tmp))] = {"size": p.stat().st_size, "xxh3_128": file_hash(p)}
+        _fault("publish.before_manifest")
+        man = tmp / MANIFEST
+        with open(man, "w") as f:
+            json.dump({"stage": stage, "digest": dig, "files": files}, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+
+    @contextmanager
+    def _lock(self, path: Path):
+        with open(path, "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    @staticmethod
+    def _warn(msg: str) -> None:
+        print(f"warning: {msg}", file=sys.stderr)
+
+
+def link(target: Path, at: Path) -> None:
+    """Point a human-facing run-view path at a store file or dir (relative symlink, atomic swap)."""
+    at.parent.mkdir(parents=True, exist_ok=True)
+    rel = os.path.relpath(target, at.parent)
+    tmp = at.parent / f".{at.name}.tmp-{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(rel, tmp)
+    os.replace(tmp, at)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Deterministic JSON (sorted keys), written atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)

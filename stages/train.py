@@ -1,0 +1,89 @@
+"""train: the rollout -> score -> update loop in one process with the models resident.
+
+Each step's three stages are content-addressed: a published step is read back, never recomputed,
+so a killed run resumes at the first unpublished stage and ends byte-identical to an uninterrupted
+one. Models load lazily, only when a stage actually has to run.
+"""
+from __future__ import annotations
+
+import csv
+import sys
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from . import rollout, score, update
+from .session import Session
+from .store import write_json
+
+HISTORY_COLS = ["step", "loss", "kl", "grad_norm", "teacher_topk_mass", "student_topk_mass", "topk_overlap",
+                "rollout_tokens_per_s", "score_tokens_per_s", "update_tokens_per_s", "rollout_wall_s",
+                "score_wall_s", "update_wall_s", "peak_memory_gib", "response_tokens"]
+
+
+def ensure_policy(sess: Session, k: int) -> None:
+    """Make policy version k exist in the store (runs the earlier steps if needed)."""
+    update.init(sess)
+    for j in range(1, k + 1):
+        if sess.store.get("update", sess.update_digest(j)) is None:
+            rollout.run(sess, j)
+            score.run(sess, j)
+            update.run(sess, j)
+
+
+def history_row(sess: Session, k: int) -> dict:
+    st = {name: update.state(sess.store.path(name, dig)) for name, dig in
+          (("rollout", sess.rollout_digest(k)), ("score", sess.score_digest(k)), ("update", sess.update_digest(k)))}
+    u = st["update"]
+    mem = [s.get("peak_allocated_gib", s.get("peak_rss_gib")) for s in st.values()]
+    row = {"step": k, "loss": u.get("loss"), "kl": u.get("kl"), "grad_norm": u.get("grad_norm"),
+           "teacher_topk_mass": u.get("teacher_topk_mass"), "student_topk_mass": u.get("student_topk_mass"),
+           "topk_overlap": u.get("topk_overlap"), "peak_memory_gib": max(m for m in mem if m is not None),
+           "response_tokens": st["rollout"].get("tokens")}
+    for name, s in st.items():
+        row[f"{name}_tokens_per_s"] = s.get("tokens_per_s")
+        row[f"{name}_wall_s"] = s.get("wall_s")
+    return row
+
+
+def run(sess: Session) -> dict:
+    cfg = sess.cfg
+    # validate early and set up in dependency order: prepared inputs -> policy 0 -> loop
+    prepared = sess.prepared
+    update.init(sess)
+    sess.link_step(0)
+    rows = []
+    quiet = not sys.stderr.isatty()
+    with Progress(TextColumn("[bold]train[/] {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), disable=quiet) as bar:
+        task = bar.add_task("", total=cfg.train.updates)
+        for k in range(1, cfg.train.updates + 1):
+            if sess.store.get("update", sess.update_digest(k)) is None:  # else: published, reuse
+                rollout.run(sess, k)
+                score.run(sess, k)
+                update.run(sess, k)
+            sess.link_step(k)
+            row = history_row(sess, k)
+            rows.append(row)
+            bar.update(task, advance=1, description=(
+                f"step {k} loss {row['loss']:.4f} | rollout {row['rollout_tokens_per_s'] or 0:.0f} tok/s "
+                f"score {row['score_tokens_per_s'] or 0:.0f} tok/s update {row['update_tokens_per_s'] or 0:.0f} tok/s"))
+            if quiet:
+                print(f"step {k}/{cfg.train.updates}: loss {row['loss']:.4f} grad_norm {row['grad_norm']:.3f} "
+                      f"rollout {row['rollout_tokens_per_s'] or 0:.0f} tok/s", file=sys.stderr)
+    sess.run_dir.mkdir(parents=True, exist_ok=True)
+    with open(sess.run_dir / "history.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=HISTORY_COLS)
+        w.writeheader()
+        w.writerows(rows)
+    final = sess.policy_digest(cfg.train.updates)
+    out = {"updates": cfg.train.updates, "final_policy": final, "initial_policy": sess.init_digest(),
+           "prepared": prepared, "final_loss": rows[-1]["loss"] if rows else None}
+    write_json(sess.run_dir / "train.json", out)
+    return out
+
+
+def main(sess: Session) -> dict:
+    out = run(sess)
+    print(f"train: {out['updates']} updates, final policy update/{out['final_policy'][:12]} "
+          f"(run view {sess.run_dir})")
+    return out

@@ -1,0 +1,175 @@
+"""update(k): one AdamW step of the student's LoRA on rollout(k) + score(k) -> policy version k.
+
+One backbone forward; the LM head and the objective run in position chunks against a detached
+leaf of the hidden states, each chunk backpropagates into that leaf, then a single backward runs
+through the backbone. Loss weights come from the whole batch (`agg_weights`), so chunking does not
+change the value. Writes the PEFT adapter dir, optimizer.safetensors and state.json.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from . import lmhead, models, objectives, tables
+from .errors import UserError
+from .score import packed, read_rollout
+from .session import Session, phase
+from .store import write_json
+
+
+def make_optimizer(sess: Session, student, state_file: Path | None):
+    """AdamW over the LoRA parameters, state restored from optimizer.safetensors when given."""
+    o = sess.cfg.optim
+    named = models.trainable(student)
+    opt = torch.optim.AdamW([p for _, p in named], lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                            weight_decay=o.weight_decay, foreach=False)
+    if state_file is not None and state_file.exists():
+        sd = load_file(state_file)
+        step = sd.pop("__step__", None)
+        for name, p in named:
+            if f"{name}.exp_avg" in sd:
+                opt.state[p] = {"step": step.clone().float() if step is not None else torch.tensor(0.0),
+                                "exp_avg": sd[f"{name}.exp_avg"].to(p.device),
+                                "exp_avg_sq": sd[f"{name}.exp_avg_sq"].to(p.device)}
+    return opt, named
+
+
+def save_optimizer(opt, named, path: Path) -> None:
+    out, step = {}, None
+    for name, p in named:
+        st = opt.state.get(p)
+        if st:
+            out[f"{name}.exp_avg"] = st["exp_avg"].detach().cpu().contiguous()
+            out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().contiguous()
+            step = st["step"]
+    if step is not None:
+        out["__step__"] = torch.as_tensor(step, dtype=torch.float32).reshape(()).cpu()
+    save_file(out, path)
+
+
+def save_adapter(student, out: Path, base_name: str) -> None:
+    """A standard PEFT adapter dir; base path is a stable name so files are byte-reproducible."""
+    student.peft_config["default"].base_model_name_or_path = base_name
+    student.save_pretrained(out, save_embedding_layers=False)
+    (out / "README.md").unlink(missing_ok=True)  # model-card boilerplate, not needed to reload
+
+
+def load_scores(path: Path, topk: int) -> dict:
+    need = {"uid": None, "teacher_logprobs": None}
+    if topk:
+        need.update(topk_ids=None, topk_logprobs=None)
+    t = tables.read(path, need)
+    out = {"teacher_logprobs": np.concatenate(tables.lists(t, "teacher_logprobs"))}
+    if topk:
+        out["topk_ids"] = np.concatenate(tables.topk_lists(t, "topk_ids", topk, np.int64))
+        out["topk_logprobs"] = np.concatenate(tables.topk_lists(t, "topk_logprobs", topk, np.float32))
+    return out
+
+
+def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch.Tensor, sc: dict,
+                      advantages: torch.Tensor | None = None) -> dict:
+    """Chunked objective with one backward through the backbone. Returns scalar diagnostics."""
+    cfg, dev = sess.cfg, sess.device
+    ob = objectives.get(cfg.objective.name)
+    w = objectives.agg_weights(p.mask, cfg.objective.loss_agg_mode)  # [B, R]
+    # weight of each packed position: row b, offset j within its response
+    j = torch.arange(p.rows.numel(), device=dev) - torch.tensor(p.offsets, device=dev)[p.rows]
+    wpos = w[p.rows, j]  # [n]
+    h = lmhead.hidden(student, p)  # [n, H], graph through the backbone (LoRA)
+    leaf = h.detach().requires_grad_(True)
+    head = lmhead.head_weight(student)
+    T = cfg.rollout.temperature
+    tot = {"loss": 0.0}
+    diag_sums: dict[str, float] = {}
+    tv = lambda x: None if x is None else torch.as_tensor(x, device=dev)  # noqa: E731
+    for c in lmhead.chunks(p.rows.numel(), cfg.train.chunk):
+        logits = F.linear(leaf[c], head).float() / T  # [c, V]: the only vocab-sized tensor, one chunk
+        ch = objectives.Chunk(
+            student_logits=logits, sampled_ids=p.targets[c], old_logprobs=sample_lp[c],
+            teacher_logprobs=tv(sc.get("teacher_logprobs"))[c] if "teacher_logprobs" in sc else None,
+            topk_ids=tv(sc["topk_ids"][c]) if "topk_ids" in sc else None,
+            topk_logprobs=tv(sc["topk_logprobs"][c]) if "topk_logprobs" in sc else None,
+            advantages=advantages[c] if advantages is not None else None)
+        per_tok, diag = ob.per_token(ch, cfg.objective)  # [c]
+        loss = (per_tok * wpos[c]).sum()
+        if loss.requires_grad:
+            loss.backward()
+        tot["loss"] += float(loss.detach())
+        m = p.mask[p.rows[c], j[c]]
+        for name, v in diag.items():
+            diag_sums[name] = diag_sums.get(name, 0.0) + float((v.float() * m).sum())
+        del logits, ch, per_tok, loss
+    if leaf.grad is not None:
+        h.backward(leaf.grad)  # the single backward through the backbone
+    n_tok = float(p.mask.sum().clamp_min(1))
+    tot.update({k: v / n_tok for k, v in diag_sums.items()})
+    return tot
+
+
+def run(sess: Session, k: int) -> Path:
+    dig = sess.update_digest(k)
+
+    def produce(tmp: Path) -> None:
+        cfg = sess.cfg
+        prev_stage = "init" if k == 1 else "update"
+        prev = sess.store.path(prev_stage, sess.policy_digest(k - 1))
+        ro = read_rollout(sess.store.path("rollout", sess.rollout_digest(k)) / "rollout.parquet")
+        needs = objectives.needs(cfg.objective)
+        sc = load_scores(sess.store.path("score", sess.score_digest(k)) / "scores.parquet",
+                         cfg.objective.topk if "topk" in needs else 0)
+        student = sess.use_policy(k - 1)
+        p = packed(sess, ro)
+        sample_lp = torch.as_tensor(np.concatenate(tables.lists(ro, "sample_logprobs")), device=sess.device)
+        opt, named = make_optimizer(sess, student, prev / "optimizer.safetensors")
+        lr = cfg.optim.lr * min(1.0, k / cfg.optim.warmup_updates) if cfg.optim.warmup_updates else cfg.optim.lr
+        for gr in opt.param_groups:
+            gr["lr"] = lr
+        state: dict = {"stage": "update", "step": k, "digest": dig, "lr": lr}
+        torch.manual_seed(int(dig[:8], 16))  # LoRA dropout, if any, draws from the stage's own seed
+        student.train()
+        with phase(sess.device, state, tokens=int(p.mask.sum())):
+            opt.zero_grad(set_to_none=True)
+            stats = loss_and_backward(sess, student, p, sample_lp, sc)
+            if not np.isfinite(stats["loss"]):
+                raise UserError(f"update step {k}: loss is {stats['loss']}; stopped before publishing policy {k}")
+            gn = torch.nn.utils.clip_grad_norm_([q for _, q in named], cfg.optim.max_grad_norm or float("inf"))
+            if not torch.isfinite(gn):
+                raise UserError(f"update step {k}: gradient norm is {float(gn)}; stopped before publishing")
+            opt.step()
+        student.eval()
+        sess._policy = dig  # the resident student now holds policy k
+        if sess._engine:
+            sess._engine.refresh()
+        state.update({k2: round(v, 6) for k2, v in stats.items()}, grad_norm=round(float(gn), 6))
+        state["kl"] = state["loss"] if cfg.objective.name == "forward_kl_topk" else None
+        save_adapter(student, tmp / "adapter", f"opd-store/model/{sess.prepared['student']}")
+        save_optimizer(opt, named, tmp / "optimizer.safetensors")
+        write_json(tmp / "state.json", state)
+
+    d, _ = sess.store.ensure("update", dig, produce)
+    return d
+
+
+def init(sess: Session) -> Path:
+    """Policy version 0: the freshly initialised LoRA (B = 0, so it equals the base) and no optimizer state."""
+    dig = sess.init_digest()
+
+    def produce(tmp: Path) -> None:
+        student = sess.student()
+        save_adapter(student, tmp / "adapter", f"opd-store/model/{sess.prepared['student']}")
+        save_file({}, tmp / "optimizer.safetensors")
+        n_train = sum(q.numel() for _, q in models.trainable(student))
+        write_json(tmp / "state.json", {"stage": "init", "digest": dig, "trainable_params": n_train})
+        sess._policy = dig
+
+    d, _ = sess.store.ensure("init", dig, produce)
+    return d
+
+
+def state(d: Path) -> dict:
+    return json.loads((d / "state.json").read_text())

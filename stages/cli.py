@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*")
     p.set_defaults(fn=cmd_params)
     with_cfg(sub.add_parser("run", help="run the whole pipeline without DVC")).set_defaults(fn=cmd_run)
-    p = with_cfg(sub.add_parser("stage", help="run one stage"))
+    p = sub.add_parser("stage", help="run one stage")
     p.add_argument("name", choices=STAGES)
+    with_cfg(p)
     p.add_argument("--step", type=int)
     p.add_argument("--out", type=Path, help="export: output dir")
     p.set_defaults(fn=cmd_stage)
@@ -131,9 +132,14 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    # overrides may follow options (`opd stage score --step 2 k=v`): collect the leftovers
+    args, extra = ap.parse_known_args(argv)
+    if extra:
+        if any(x.startswith("-") for x in extra) or not hasattr(args, "overrides"):
+            ap.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides or []) + extra
     _quiet_libraries()
-    # argparse puts "stage NAME" positionals before overrides; an override-looking NAME is user error
     try:
         args.fn(args)
     except UserError as e:

@@ -57,6 +57,13 @@ def save_adapter(student, out: Path, base_name: str) -> None:
     student.peft_config["default"].base_model_name_or_path = base_name
     student.save_pretrained(out, save_embedding_layers=False)
     (out / "README.md").unlink(missing_ok=True)  # model-card boilerplate, not needed to reload
+    # PEFT keeps target_modules as a set: its JSON order follows string hashing, which changes per
+    # process. Sorted, the file is byte-reproducible.
+    cfg_file = out / "adapter_config.json"
+    acfg = json.loads(cfg_file.read_text())
+    if isinstance(acfg.get("target_modules"), list):
+        acfg["target_modules"] = sorted(acfg["target_modules"])
+    cfg_file.write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
 
 
 def load_scores(path: Path, topk: int) -> dict:

@@ -32,7 +32,7 @@ __all__ = ["REGISTRY", "Task", "from_verl_row", "get", "protocol", "to_verl_rows
 
 
 def get(name: str):
-    if name not in REGISTRY:
+    if not isinstance(name, str) or name not in REGISTRY:
         raise UserError(f"key 'env.name' = {name!r}; expected one of {', '.join(sorted(REGISTRY))}")
     return REGISTRY[name]
 

@@ -206,17 +206,27 @@ _EASY = [  # (symbol, question template, operand ranges)
 _MEDIUM_PATTERNS = ["{0} {o0} {1} {o1} {2}", "({0} {o0} {1}) {o1} {2}", "{0} {o0} ({1} {o1} {2})",
                     "({0} {o0} {1}) {o1} ({2} {o2} {3})", "{0} {o0} {1} {o1} {2} {o2} {3}",
                     "({0} {o0} {1} {o1} {2}) {o2} {3}"]
-_HARD = [  # (from, to, question, expression over the converted value x and the number b)
-    ("lb", "g", "A parcel weighs {a} pounds and its packing adds {b} grams. What is the total weight in grams?", "{x} + {b}"),
-    ("mi", "km", "A hiker walks {a} miles in the morning and {b} kilometres in the afternoon. How many kilometres does she walk in total?", "{x} + {b}"),
-    ("ft", "m", "A rope is {a} feet long and {b} metres are cut off. How many metres of rope remain?", "{x} - {b}"),
-    ("h", "min", "A festival shows {a} hours of films plus {b} minutes of trailers. How many minutes is that in total?", "{x} + {b}"),
-    ("F", "C", "The water is at {a} degrees Fahrenheit and then warms by {b} degrees Celsius. What is its temperature in degrees Celsius now?", "{x} + {b}"),
-    ("km", "mi", "A car travels {a} kilometres every day for {b} days. How many miles is that in total?", "{x} * {b}"),
-    ("kg", "lb", "Each of {b} boxes weighs {a} kilograms. What is their total weight in pounds?", "{x} * {b}"),
-    ("in", "cm", "A ribbon {a} inches long is cut into {b} equal pieces. How long is each piece in centimetres?", "{x} / {b}"),
-    ("oz", "g", "A recipe needs {a} ounces of flour for each of {b} loaves. How many grams of flour is that?", "{x} * {b}"),
-    ("day", "h", "A project took {a} days plus {b} hours of overtime. How many hours is that in total?", "{x} + {b}"),
+_HARD = [  # (from, to, expression over the converted value x and the number b, question)
+    ("lb", "g", "{x} + {b}", "A parcel weighs {a} pounds and its packing adds {b} grams. "
+                             "What is the total weight in grams?"),
+    ("mi", "km", "{x} + {b}", "A hiker walks {a} miles in the morning and {b} kilometres in the "
+                              "afternoon. How many kilometres does she walk in total?"),
+    ("ft", "m", "{x} - {b}", "A rope is {a} feet long and {b} metres are cut off. "
+                             "How many metres of rope remain?"),
+    ("h", "min", "{x} + {b}", "A festival shows {a} hours of films plus {b} minutes of trailers. "
+                              "How many minutes is that in total?"),
+    ("F", "C", "{x} + {b}", "The water is at {a} degrees Fahrenheit and then warms by {b} degrees "
+                            "Celsius. What is its temperature in degrees Celsius now?"),
+    ("km", "mi", "{x} * {b}", "A car travels {a} kilometres every day for {b} days. "
+                              "How many miles is that in total?"),
+    ("kg", "lb", "{x} * {b}", "Each of {b} boxes weighs {a} kilograms. "
+                              "What is their total weight in pounds?"),
+    ("in", "cm", "{x} / {b}", "A ribbon {a} inches long is cut into {b} equal pieces. "
+                              "How long is each piece in centimetres?"),
+    ("oz", "g", "{x} * {b}", "A recipe needs {a} ounces of flour for each of {b} loaves. "
+                             "How many grams of flour is that?"),
+    ("day", "h", "{x} + {b}", "A project took {a} days plus {b} hours of overtime. "
+                              "How many hours is that in total?"),
 ]
 
 
@@ -251,7 +261,7 @@ def _hard_plan(context: dict) -> tuple[Number, str]:
 
 
 def _make_hard(rng: random.Random) -> Optional[tuple]:
-    from_unit, to_unit, template, then = rng.choice(_HARD)
+    from_unit, to_unit, then, template = rng.choice(_HARD)
     a = rng.randint(2, 250)
     if then.startswith("{x} -"):  # leave some rope: b below the converted length
         b = rng.randint(1, max(1, int(a * 0.3048 * 0.8)))

@@ -126,7 +126,8 @@ def run_query(conn: sqlite3.Connection, sql: Any) -> dict:
         if "interrupted" in message:
             raise ToolError("query aborted: it exceeded the work budget") from None
         if "not authorized" in message or "authorization denied" in message or "prohibited" in message:
-            raise ToolError(f"query refused: only read-only SELECT queries are allowed ({message[:80]})") from None
+            raise ToolError(f"query refused ({message[:80]}): only read-only SELECT queries using "
+                            f"common functions are allowed") from None
         raise ToolError(f"SQL error: {message[:200]}") from None
     finally:
         conn.set_progress_handler(None, 0)

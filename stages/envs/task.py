@@ -158,6 +158,8 @@ def _unwrap(text: str) -> str:
 
 
 def _as_number(text: str) -> Optional[float]:
+    if len(text) > 100:  # no answer is this long; also keeps the regex's backtracking small
+        return None
     m = _NUMBER_RE.fullmatch(text)
     if not m:
         return None

@@ -25,9 +25,10 @@ def guard(n: int, vocab: int, cfg) -> None:
     """Refuse a chunk of n positions over a vocabulary of `vocab` ids if it exceeds the limit."""
     if n * vocab > cfg.full_vocab_limit:
         fit = cfg.full_vocab_limit // vocab
+        hint = (f"at most {fit} positions per chunk fit (set train.chunk <= {fit}, or raise the limit)" if fit
+                else f"not even one position fits (raise the limit to >= {vocab})")
         raise UserError(f"key 'objective.full_vocab_limit' = {cfg.full_vocab_limit}: a chunk of {n} positions x "
-                        f"vocab {vocab} = {n * vocab} elements exceeds it; at most {fit} positions per chunk fit "
-                        f"(set train.chunk <= {fit}, or raise objective.full_vocab_limit)")
+                        f"vocab {vocab} = {n * vocab} elements exceeds it; {hint}")
 
 
 def per_token(chunk, cfg):

@@ -120,7 +120,7 @@ def _compare(ours, theirs):
 
 
 AGG = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-CLAMPS = [None, 0.3]  # 0.3 cuts a good share of the per-token losses
+CLAMPS = [None, 1.5]  # 1.5 cuts part of the per-token losses (medians here are ~1-2)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -130,3 +130,31 @@ def test_lenient_and_strict_differ_on_answer_wrapped_response():
     # a model that never uses <final> but writes <answer>: strict fails, lenient sees it
     ep2 = run_episode(env, task, lambda m: f"The result is <answer>{task.ground_truth}</answer>", 2, 64)
     assert (ep2.finish_reason, ep2.success, ep2.success_lenient) == ("max_turns", False, True)
+
+
+def _random_value(rng, depth=0):
+    pick = rng.randrange(9 if depth < 3 else 6)
+    return [lambda: None, lambda: rng.random() * 10.0 ** rng.randint(-5, 300), lambda: rng.randint(-10**30, 10**30),
+            lambda: "".join(rng.choice("ab1.[]()*/%-_'\";\\ \x00é") for _ in range(rng.randint(0, 40))),
+            lambda: rng.choice([True, False, float("nan"), float("inf"), "", "users[0]", "SELECT 1", "1/0"]),
+            lambda: rng.choice(["(1).__class__", "DROP TABLE orders", "$", "2**99"]),
+            lambda: [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))],
+            lambda: {str(rng.random()): _random_value(rng, depth + 1)},
+            lambda: {"nested": _random_value(rng, depth + 1)}][pick]()
+
+
+@pytest.mark.parametrize("name", sorted(envs.REGISTRY))
+def test_fuzzed_tool_calls_never_raise(name):
+    import random
+    env = envs.get(name)
+    task = env.generate(env.SPLITS[-1], 1, 0, "train")[0]
+    arg_names = ["expression", "value", "from_unit", "to_unit", "path", "key", "sql", "x"]
+    tools = ["calculator", "convert", "get", "keys", "find", "schema", "query", "nope", None]
+    rng = random.Random(0)
+    for _ in range(300):
+        arguments = {n: _random_value(rng) for n in rng.sample(arg_names, rng.randint(0, 3))}
+        out = env.call_tool(task, rng.choice(tools), arguments if rng.random() < 0.9 else _random_value(rng))
+        assert isinstance(out, dict)
+        assert "internal error" not in out.get("error", ""), out
+        format_result(out)  # always serialisable
+        assert parse(format_call("x", {"a": _random_value(rng)}) if rng.random() < 0.5 else _random_value(rng)).kind

@@ -29,9 +29,10 @@ def test_query_returns_rows_and_caps_them():
     assert out == {"columns": ["id", "name"], "rows": [r[:2] for r in ROWS["customers"][:2]], "truncated": False}
     big = sq.call_tool(TASK, "query", {"sql": "SELECT o.id, c.id FROM orders o, customers c"})
     assert len(big["rows"]) == sq.MAX_ROWS and big["truncated"] is True
-    ok = sq.call_tool(TASK, "query", {"sql": "-- comment\n/* c */ WITH x AS (SELECT COUNT(*) AS n FROM orders) SELECT n FROM x"})
-    assert ok["rows"] == [[len(ROWS["orders"])]]
-    assert sq.call_tool(TASK, "query", {"sql": "SELECT upper(name), round(price / 3.0, 1) FROM products LIMIT 1"})["rows"]
+    sql = "-- comment\n/* c */ WITH x AS (SELECT COUNT(*) AS n FROM orders) SELECT n FROM x"
+    assert sq.call_tool(TASK, "query", {"sql": sql})["rows"] == [[len(ROWS["orders"])]]
+    out = sq.call_tool(TASK, "query", {"sql": "SELECT upper(name), round(price / 4.0, 1) FROM products WHERE id = 1"})
+    assert out["rows"] == [[ROWS["products"][0][1].upper(), round(ROWS["products"][0][3] / 4.0, 1)]]
 
 
 WRITES = [
@@ -73,6 +74,20 @@ def test_writes_are_refused_and_change_nothing(sql):
         conn.close()
     out = sq.call_tool(TASK, "query", {"sql": sql})
     assert set(out) == {"error"} and "internal" not in out["error"], out
+
+
+@pytest.mark.parametrize("sql", [w for w in WRITES if not w.startswith(("SELECT", "BEGIN", "REINDEX"))])
+def test_locked_connection_refuses_writes_without_the_keyword_gate(sql):
+    # the authorizer and query_only stand on their own: bypass run_query's first-keyword check
+    import sqlite3
+    conn = sq.connect(TASK.context)
+    try:
+        before, changes = snapshot(conn), conn.total_changes  # the setup's inserts count too
+        with pytest.raises(sqlite3.DatabaseError, match="not authorized|authorization denied"):
+            conn.execute(sql)
+        assert snapshot(conn) == before and conn.total_changes == changes
+    finally:
+        conn.close()
 
 
 def test_vacuum_into_writes_no_file(tmp_path):

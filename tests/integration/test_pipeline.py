@@ -1,0 +1,130 @@
+"""The real `opd` command on tiny random Llamas with the real SmolLM2 tokenizer: outputs, resume
+after SIGKILL with byte-identical results, cross-run reuse, and the run view."""
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import TINY, opd
+
+STEP_FILES = ["rollout.parquet", "scores.parquet", "optimizer.safetensors", "adapter/adapter_model.safetensors",
+              "adapter/adapter_config.json"]
+
+
+def store_dirs(root: Path) -> set[str]:
+    return {f"{p.parent.name}/{p.name}" for p in (root / "artifacts" / "store").glob("*/*") if not p.name.startswith(".")}
+
+
+def step_bytes(root: Path, steps: int) -> dict[str, bytes]:
+    run = root / "artifacts" / "runs" / "default"
+    return {f"{k}/{f}": (run / f"step-{k:04d}" / f).read_bytes() for k in range(1, steps + 1) for f in STEP_FILES}
+
+
+def test_run_produces_a_complete_run_view(work):
+    r = opd("run", *TINY, cwd=work)
+    assert "evaluate:" in r.stdout
+    run = work / "artifacts" / "runs" / "default"
+    ro = pq.read_table(run / "step-0002" / "rollout.parquet")
+    sc = pq.read_table(run / "step-0002" / "scores.parquet")
+    assert ro.num_rows == 4 and sc.column("uid").to_pylist() == ro.column("uid").to_pylist()
+    assert ro.column_names[:4] == ["uid", "step", "policy_version", "prompt_index"]
+    assert set(ro.column("policy_version").to_pylist()) == {1} and set(ro.column("step").to_pylist()) == {2}
+    for ids, mask, lps, tl, top in zip(*(ro.column(c).to_pylist() for c in ("response_ids", "response_mask",
+                                                                              "sample_logprobs")),
+                                       sc.column("teacher_logprobs").to_pylist(), sc.column("topk_ids").to_pylist()):
+        assert 1 <= len(ids) <= 8 and len(mask) == len(ids) == len(lps) == len(tl) == len(top)
+        assert all(x <= 0 for x in lps) and all(np.isfinite(tl)) and all(len(t) == 8 for t in top)
+    md = pq.read_schema(run / "step-0002" / "rollout.parquet").metadata
+    assert md[b"opd.schema_version"] == b"1" and len(md[b"opd.digest"]) == 32
+    hist = list(csv.DictReader(open(run / "history.csv")))
+    assert [int(h["step"]) for h in hist] == [1, 2, 3] and all(float(h["loss"]) > 0 for h in hist)
+    st = json.loads((run / "step-0003" / "state.json").read_text())
+    for phase in ("rollout", "score", "policy"):
+        assert st[phase]["wall_s"] > 0 and st[phase]["tokens_per_s"] > 0 and "peak_rss_gib" in st[phase]
+    metrics = json.loads((run / "metrics.json").read_text())["eval"]
+    assert metrics["initial"]["on_teacher_text"]["kl"] > 0 and metrics["final"]["on_teacher_text"]["tokens"] > 0
+    exp = work / "artifacts" / "export" / "default"
+    man = json.loads((exp / "manifest.json").read_text())
+    assert man["versions"]["torch"] and man["digests"]["final_policy"] == json.loads(
+        (run / "train.json").read_text())["final_policy"]
+    # the exported adapter reloads with plain PEFT and reproduces the trained policy's log-probs
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(exp / "base"), exp / "adapter").eval()
+    ids = torch.tensor([ro.column("prompt_ids").to_pylist()[0]])
+    assert torch.isfinite(m(ids).logits).all()
+    # a second run with nothing changed computes nothing
+    before = store_dirs(work)
+    r2 = opd("run", *TINY, cwd=work)
+    assert store_dirs(work) == before
+
+
+@pytest.mark.parametrize("point", ["publish.before_rename:7", "publish.before_manifest:9"])
+def test_sigkill_mid_train_resumes_byte_identical(work, tmp_path_factory, point):
+    ref = tmp_path_factory.mktemp("ref")
+    (ref / "conf").symlink_to(work / "conf")
+    shutil.copytree(work / "artifacts", ref / "artifacts")
+    opd("run", *TINY, cwd=ref)
+
+    killed = opd("run", *TINY, cwd=work, env={"OPD_FAULT": point}, check=False)
+    assert killed.returncode == -9  # SIGKILL, mid-train
+    assert not (work / "artifacts" / "runs" / "default" / "train.json").exists()
+    partial = store_dirs(work)
+    opd("run", *TINY, cwd=work)
+    assert partial < store_dirs(work)  # resumed: kept what was published, added the rest
+    assert step_bytes(work, 3) == step_bytes(ref, 3)
+    assert store_dirs(work) == store_dirs(ref)
+    # no temp dirs left behind by the killed writer once the run completed
+    leftovers = [p for p in (work / "artifacts" / "store").glob("*/.tmp-*")]
+    assert all(p.name.split("-")[-1].isdigit() for p in leftovers)  # only the dead pid's dir, never published
+
+
+def test_changing_only_the_objective_reuses_rollout_1(work):
+    opd("run", *TINY, cwd=work)
+    before = store_dirs(work)
+    opd("run", *TINY, "objective.loss_max_clamp=0.5", cwd=work)
+    added = store_dirs(work) - before
+    ro1 = json.loads((work / "artifacts/runs/default/step-0001/state.json").read_text())["rollout"]["digest"]
+    assert f"rollout/{ro1}" in before  # rollout(1) reused
+    assert not any(a.startswith("rollout/") and a.endswith(ro1) for a in added)
+    assert sum(a.startswith("update/") for a in added) == 3  # every update recomputed
+
+
+def test_more_updates_reuse_the_earlier_ones(work):
+    opd("run", *TINY[:-2], "train.updates=4", "objective.topk=8", cwd=work)
+    b4 = store_dirs(work)
+    hist4 = list(csv.DictReader(open(work / "artifacts/runs/default/history.csv")))
+    opd("run", *TINY[:-2], "train.updates=6", "objective.topk=8", cwd=work)
+    added = store_dirs(work) - b4
+    assert sorted(a.split("/")[0] for a in added) == ["evaluate", "rollout", "rollout", "score", "score",
+                                                       "update", "update"]
+    hist6 = list(csv.DictReader(open(work / "artifacts/runs/default/history.csv")))
+    assert [h["loss"] for h in hist6[:4]] == [h["loss"] for h in hist4]
+
+
+def test_stage_runs_alone(work):
+    r = opd("stage", "score", "--step", "2", *TINY, cwd=work)
+    assert "scores" not in r.stderr
+    assert any(p.name for p in (work / "artifacts/store/score").iterdir() if not p.name.startswith("."))
+    r = opd("stage", "rollout", *TINY, cwd=work, check=False)
+    assert r.returncode == 2 and "--step" in r.stderr
+
+
+def test_inspect_prints_tokens_and_gaps(work):
+    opd("run", *TINY, cwd=work)
+    r = opd("inspect", "artifacts/runs/default", "--step", "1", "--format", "json", cwd=work)
+    rows = json.loads(r.stdout)
+    assert len(rows) == 4 and all(len(x["tokens"]) == len(x["teacher_logprobs"]) for x in rows)
+    worst = json.loads(opd("inspect", "artifacts/runs/default", "--step", "1", "--worst", "1", "--format", "json",
+                           cwd=work).stdout)
+    assert worst[0]["mean_gap"] == max(x["mean_gap"] for x in rows)
+    text = opd("inspect", "artifacts/runs/default/step-0001/rollout.parquet", "--limit", "1", cwd=work).stdout
+    assert "teacher logp" in text and "prompt" in text

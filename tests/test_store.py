@@ -1,0 +1,113 @@
+"""Unit tests for stages/store.py: digests, atomic publish, manifests, locking."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+
+from stages.store import Store, digest, file_hash, link
+
+BASE = ("rollout", 1, {"rollout": {"n": 1}}, {"policy": "a" * 32})
+
+
+def test_digest_is_stable_and_sensitive_to_each_input():
+    d = digest(*BASE)
+    assert d == digest(*BASE) and len(d) == 32
+    assert d == digest("rollout", "1", {"rollout": {"n": 1}}, {"policy": "a" * 32})  # canonical JSON
+    variants = [("score", 1, BASE[2], BASE[3]), ("rollout", 2, BASE[2], BASE[3]),
+                ("rollout", 1, {"rollout": {"n": 2}}, BASE[3]), ("rollout", 1, BASE[2], {"policy": "b" * 32})]
+    assert len({digest(*v) for v in variants} | {d}) == 5
+    # key order never matters
+    assert digest("s", 1, {"a": 1, "b": 2}, {}) == digest("s", 1, {"b": 2, "a": 1}, {})
+
+
+def test_publish_writes_manifest_last_and_reads_back(tmp_path):
+    st = Store(tmp_path)
+    calls = []
+
+    def produce(d):
+        calls.append(1)
+        (d / "x.txt").write_text("hello")
+        (d / "sub").mkdir()
+        (d / "sub" / "y.bin").write_bytes(b"\x00\x01")
+
+    p, computed = st.ensure("s", "d1", produce)
+    assert computed and p == tmp_path / "store" / "s" / "d1"
+    man = json.loads((p / "manifest.json").read_text())
+    assert set(man["files"]) == {"x.txt", "sub/y.bin"}
+    assert man["files"]["x.txt"]["xxh3_128"] == file_hash(p / "x.txt")
+    # a published stage is never run again, also from a fresh process-level Store
+    p2, computed2 = Store(tmp_path).ensure("s", "d1", produce)
+    assert p2 == p and not computed2 and len(calls) == 1
+    assert not [q for q in (tmp_path / "store" / "s").iterdir() if q.name.startswith(".tmp")]
+
+
+def test_failed_produce_publishes_nothing(tmp_path):
+    st = Store(tmp_path)
+
+    def boom(d):
+        (d / "partial").write_text("half")
+        raise RuntimeError("died")
+
+    with pytest.raises(RuntimeError):
+        st.ensure("s", "d1", boom)
+    assert st.get("s", "d1") is None
+    assert [q.name for q in (tmp_path / "store" / "s").iterdir() if not q.name.endswith(".lock")] == []
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no_manifest", "extra_file"])
+def test_damaged_output_is_recomputed_with_a_warning(tmp_path, capsys, damage):
+    st = Store(tmp_path)
+    p, _ = st.ensure("s", "d1", lambda d: (d / "data.bin").write_bytes(bytes(range(200))))
+    f = p / "data.bin"
+    if damage == "flip":
+        b = bytearray(f.read_bytes()); b[7] ^= 1; f.write_bytes(bytes(b))
+    elif damage == "truncate":
+        f.write_bytes(f.read_bytes()[:50])
+    elif damage == "no_manifest":
+        (p / "manifest.json").unlink()
+    else:
+        (p / "stray.txt").write_text("?")
+    fresh = Store(tmp_path)  # a new process would not trust its predecessor
+    assert fresh.get("s", "d1") is None
+    p2, computed = fresh.ensure("s", "d1", lambda d: (d / "data.bin").write_bytes(bytes(range(200))))
+    assert computed and (p2 / "data.bin").read_bytes() == bytes(range(200))
+    if damage != "no_manifest":
+        assert "recomputing" in capsys.readouterr().err
+    # the damaged copy was moved aside, not deleted
+    assert any(q.name.startswith(".corrupt-d1") for q in (tmp_path / "store" / "s").iterdir())
+
+
+def _slow_writer(root, marker):
+    def produce(d):
+        with open(marker, "a") as fh:
+            fh.write("x")
+        time.sleep(0.5)
+        (d / "out").write_text(str(os.getpid()))
+
+    Store(root).ensure("s", "same", produce)
+
+
+def test_two_processes_never_write_one_digest_twice(tmp_path):
+    marker = tmp_path / "calls"
+    ps = [mp.get_context("fork").Process(target=_slow_writer, args=(tmp_path, marker)) for _ in range(2)]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join(10)
+    assert all(p.exitcode == 0 for p in ps)
+    assert marker.read_text() == "x"  # produce ran exactly once
+    assert Store(tmp_path).get("s", "same") is not None
+
+
+def test_link_is_relative_and_replaceable(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("A"); b.write_text("B")
+    at = tmp_path / "view" / "f.txt"
+    link(a, at)
+    assert at.read_text() == "A" and not os.readlink(at).startswith("/")
+    link(b, at)
+    assert at.read_text() == "B"

@@ -31,6 +31,8 @@ class ModelCfg:
     keep_layers: int = 0  # 0 = all decoder layers; N = keep N layers evenly spaced (compression)
     quant: str = "none"  # none | nf4 | int8 (bitsandbytes)
     trust_remote_code: bool = False
+    # arch:<name> models only: "embedded" (SmolLM2's tokenizer) or a local tokenizer directory
+    tokenizer: str = "embedded"
 
 
 @dataclass

@@ -57,7 +57,9 @@ def identity(mcfg: ModelCfg, role: str) -> dict:
     if name.startswith("arch:"):
         if mcfg.init != "random":
             raise UserError(f"key '{role}.init' must be 'random' for an architecture name ({name})")
-        return {**ident, "arch": arch_config(name[5:])}
+        tok = mcfg.tokenizer if mcfg.tokenizer == "embedded" else {
+            f.name: file_hash(f) for f in sorted(Path(mcfg.tokenizer).glob("*")) if f.is_file()}
+        return {**ident, "arch": arch_config(name[5:]), "tokenizer": tok}
     if mcfg.init == "random":
         raise UserError(f"key '{role}.init' = 'random' needs an 'arch:<name>' model, not {name!r}")
     if name == "embedded":

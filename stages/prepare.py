@@ -27,19 +27,28 @@ def tokenizer_dir(sess: Session) -> Path:
     return d
 
 
-def model_digest(sess: Session, mcfg: ModelCfg, role: str) -> str:
-    """Materialise (once) and return the store digest of a model."""
+def model_digest(sess: Session, mcfg: ModelCfg, role: str, deep: bool = False) -> str:
+    """Materialise (once) and return the store digest of a model. Weights are content-hashed when
+    loaded (Session.model_dir), so the digest lookup here only checks manifest and sizes."""
     if mcfg.keep_layers and mcfg.name != "" and not mcfg.name.startswith("arch:"):
         parent_cfg = dataclasses.replace(mcfg, keep_layers=0, quant="none")
-        parent = model_digest(sess, parent_cfg, role)
+        parent = model_digest(sess, parent_cfg, role, deep)
         dig = digest("model", VERSIONS["model"], {"keep_layers": mcfg.keep_layers}, {"parent": parent})
         src = ModelCfg(name=str(sess.store.path("model", parent)), keep_layers=mcfg.keep_layers)
-        sess.store.ensure("model", dig, lambda tmp: models.materialize(src, tmp, seed_of(dig)))
+        def produce(tmp: Path) -> None:
+            model_digest(sess, parent_cfg, role, deep=True)  # hash the parent's weights before deriving
+            models.materialize(src, tmp, seed_of(dig))
+
+        sess.store.ensure("model", dig, produce, deep=deep)
         return dig
     ident = models.identity(dataclasses.replace(mcfg, quant="none"), role)
     dig = digest("model", VERSIONS["model"], ident, {})
-    tok = tokenizer_dir(sess) if mcfg.name.startswith("arch:") else None
-    sess.store.ensure("model", dig, lambda tmp: models.materialize(mcfg, tmp, seed_of(dig), tok))
+    tok = None
+    if mcfg.name.startswith("arch:"):
+        tok = tokenizer_dir(sess) if mcfg.tokenizer == "embedded" else Path(mcfg.tokenizer)
+        if not (tok / "tokenizer_config.json").is_file():
+            raise UserError(f"key '{role}.tokenizer' = {mcfg.tokenizer!r}; expected 'embedded' or a tokenizer dir")
+    sess.store.ensure("model", dig, lambda tmp: models.materialize(mcfg, tmp, seed_of(dig), tok), deep=deep)
     return dig
 
 

@@ -26,6 +26,8 @@ VERSIONS = {"tokenizer": 1, "model": 1, "prompts": 1, "init": 1, "rollout": 1, "
 
 class Session:
     def __init__(self, cfg: Config):
+        self.t0 = time.perf_counter()
+        self.timings: dict[str, float] = {}
         self.cfg = cfg
         self.store = Store(cfg.artifacts)
         self.run_dir = Path(cfg.artifacts) / "runs" / cfg.run
@@ -43,16 +45,23 @@ class Session:
         if self._student is None:
             from .store import seed_of
 
-            base = models.load(self.store.path("model", self.prepared["student"]), self.cfg.student,
-                               self.device, self.dtype)
+            base = models.load(self.model_dir("student"), self.cfg.student, self.device, self.dtype)
             self._student = models.add_lora(base, self.cfg.lora, seed_of(self.init_digest()))
         return self._student
 
     def teacher(self):
         if self._teacher is None:
-            self._teacher = models.load(self.store.path("model", self.prepared["teacher"]), self.cfg.teacher,
-                                        self.device, self.dtype)
+            self._teacher = models.load(self.model_dir("teacher"), self.cfg.teacher, self.device, self.dtype)
         return self._teacher
+
+    def model_dir(self, role: str) -> Path:
+        """A materialised model dir, content-hashed before its weights are trusted (recomputed if damaged)."""
+        d = self.store.path("model", self.prepared[role])
+        if not self.store.verify(d):
+            from . import prepare
+
+            prepare.model_digest(self, getattr(self.cfg, role), role, deep=True)
+        return d
 
     def use_policy(self, k: int):
         """The student holding policy version k (adapter read back from the store)."""

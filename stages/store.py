@@ -85,8 +85,11 @@ class Store:
     def path(self, stage: str, dig: str) -> Path:
         return self.root / stage / dig
 
-    def verify(self, d: Path) -> bool:
-        """True iff `d` holds a manifest whose per-file hashes all match (checked once per process)."""
+    def verify(self, d: Path, deep: bool = True) -> bool:
+        """True iff `d` holds a manifest whose per-file hashes all match (checked once per process).
+
+        deep=False checks the manifest, the file list and sizes only: for multi-GB model dirs whose
+        content is hashed when they are actually loaded (Session), not on every digest lookup."""
         if d in self._verified:
             return True
         man = d / MANIFEST
@@ -103,24 +106,25 @@ class Store:
             return False
         for rel, meta in files.items():
             f = d / rel
-            if f.stat().st_size != meta["size"] or file_hash(f) != meta["xxh3_128"]:
+            if f.stat().st_size != meta["size"] or (deep and file_hash(f) != meta["xxh3_128"]):
                 self._warn(f"{f}: content hash mismatch; recomputing")
                 return False
-        self._verified.add(d)
+        if deep:
+            self._verified.add(d)
         return True
 
-    def get(self, stage: str, dig: str) -> Path | None:
+    def get(self, stage: str, dig: str, deep: bool = True) -> Path | None:
         d = self.path(stage, dig)
-        if d.exists() and self.verify(d):
+        if d.exists() and self.verify(d, deep):
             return d
         return None
 
-    def ensure(self, stage: str, dig: str, produce: Callable[[Path], Any]) -> tuple[Path, bool]:
+    def ensure(self, stage: str, dig: str, produce: Callable[[Path], Any], deep: bool = True) -> tuple[Path, bool]:
         """Return the published dir for (stage, dig), running `produce(tmpdir)` only if absent.
 
         Returns (path, computed). One writer per digest: an exclusive lock file serialises two
         processes on the same store; the second finds the first one's result published."""
-        if (d := self.get(stage, dig)) is not None:
+        if (d := self.get(stage, dig, deep)) is not None:
             return d, False
         parent = self.root / stage
         try:

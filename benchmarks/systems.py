@@ -69,7 +69,7 @@ def exact_prompts(tok, n: int, length: int, seed: int = 0) -> list[list[dict]]:
 
 
 # ---------------------------------------------------------------- ours, workload (a): the pipeline
-def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str) -> dict:
+def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile_dir: Path | None = None) -> dict:
     import pyarrow as pa
     from transformers import AutoTokenizer
 
@@ -77,6 +77,7 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str) -> dict:
     from stages.session import Session
     from stages import prepare
 
+    tokenizer = str(Path(tokenizer).resolve())
     tok = AutoTokenizer.from_pretrained(tokenizer)
     n_rows = w["prompts"] * w["updates"] + 4
     prompts = exact_prompts(tok, n_rows, w["prompt_tokens"])
@@ -118,9 +119,11 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str) -> dict:
     update_total = [s["rollout"]["wall_s"] + s["score"]["wall_s"] + s["policy"]["wall_s"] for s in steps[1:]]
     resp_tok = w["prompts"] * w["response"]
     pos = w["prompts"] * w["response"]
+    walls = train_json["timings"].get("step_wall_s", [])
     out = {
         "name": "opd-stages", "materialize_random_weights_s": round(materialize_s, 2),
-        "median_update_s": median(update_total),
+        # a whole step as the user waits for it (phases + Parquet/adapter IO + publishing), update 1 excluded
+        "median_update_s": median(walls[1:]), "median_phase_sum_s": median(update_total), "step_wall_s": walls,
         "median_rollout_s": median(per("rollout", "wall_s")), "median_score_s": median(per("score", "wall_s")),
         "median_update_phase_s": median(per("policy", "wall_s")),
         "rollout_tok_per_s": round(resp_tok / median(per("rollout", "wall_s")), 1),
@@ -136,7 +139,29 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str) -> dict:
     }
     out["peak_allocated_gib"]["overall"] = max(out["peak_allocated_gib"].values())
     out["peak_reserved_gib"]["overall"] = max(out["peak_reserved_gib"].values())
+    if profile_dir:
+        profile_steps(overrides, w["updates"], profile_dir)
     return out
+
+
+def profile_steps(overrides: list[str], done: int, out_dir: Path) -> None:
+    """torch.profiler over one more step (after an unprofiled warm-up step): where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from stages import config, rollout, score, train, update
+    from stages.session import Session
+
+    sess = Session(config.compose([*overrides, f"train.updates={done + 2}"]))
+    train.ensure_policy(sess, done + 1)  # warm: models resident, graphs captured
+    k = done + 2
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for name, fn in (("rollout", rollout.run), ("score", score.run), ("update", update.run)):
+            t = time.perf_counter()
+            fn(sess, k)
+            print(f"profiled {name}: {time.perf_counter() - t:.4f} s", flush=True)
+    ka = prof.key_averages()
+    (out_dir / "profile.txt").write_text(
+        ka.table(sort_by="self_cuda_time_total", row_limit=25) + "\n\n" + ka.table(sort_by="cpu_time_total", row_limit=40))
 
 
 # ---------------------------------------------------------------- ours, workload (b): the engine
@@ -265,6 +290,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", required=True, help="a SmolLM2 tokenizer dir (workload a)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--profile", type=Path, default=None, help="write a torch.profiler table of one step here")
     args = ap.parse_args(argv)
     import torch
 
@@ -272,9 +298,10 @@ def main(argv=None) -> int:
     result = {"date": dt.date.today().isoformat(), "device": device, "command": " ".join(["python", *sys.argv]),
               "torch": torch.__version__, "workloads": {}}
     work = args.work or Path(tempfile.mkdtemp(prefix="opd-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
     peers = [p for p in args.peers.split(",") if p]
     if args.workload in ("a", "all"):
-        systems = [ours_pipeline(WORKLOAD_A, work, args.tokenizer, sys.executable)]
+        systems = [ours_pipeline(WORKLOAD_A, work, args.tokenizer, sys.executable, args.profile)]
         if "trl" in peers:
             systems.append(trl_peer(WORKLOAD_A, work, sys.executable))
         if "miniverl" in peers:

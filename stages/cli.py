@@ -4,14 +4,21 @@
     opd run [overrides]                 the whole pipeline without DVC: prepare, train, evaluate, export
     opd stage NAME [--step N] [...]     one stage (prepare|init|rollout|score|update|train|evaluate|export)
     opd inspect FILE [--step/--uid/--worst N/--format json]
+    opd benchmark CONFIG                tool-use arms x seeds, equal update budget (conf/benchmark/*.yaml)
+    opd report RUN [--out report.html]  one self-contained HTML page: config, curves, phases, trajectories, eval
+    opd doctor [overrides]              versions, CUDA, embedded model, artifacts dir; exit 1 on a blocker
+    opd plan [overrides] [--out F]      weight-free memory plan per phase and placement; --probe measures (CUDA)
 """
 from __future__ import annotations
 
 import argparse
+import errno
+import signal
 import sys
+import threading
 from pathlib import Path
 
-from .errors import UserError
+from .errors import EXIT_NO_SPACE, Interrupted, UserError
 
 STAGES = ("prepare", "init", "rollout", "score", "update", "train", "evaluate", "export")
 
@@ -44,7 +51,14 @@ def cmd_params(args) -> None:
 def cmd_run(args) -> None:
     from . import evaluate, export, prepare, train
 
-    sess = _session(args)
+    if getattr(args, "plan", None) is not None or getattr(args, "dry_run", False):
+        from .verl.cli import plan_session  # `opd run --plan plan.json` (opd plan --profile)
+
+        sess = plan_session(args)
+        if sess is None:  # --dry-run
+            return
+    else:
+        sess = _session(args)
     prepare.main(sess)
     train.main(sess)
     evaluate.main(sess)
@@ -78,13 +92,44 @@ def cmd_stage(args) -> None:
     elif name == "evaluate":
         evaluate.main(sess)
     elif name == "export":
-        export.main(sess, args.out)
+        if getattr(args, "verl", None) is not None:
+            from .verl import bundle
+
+            bundle.main(sess, args.verl)
+        else:
+            export.main(sess, args.out)
 
 
 def cmd_inspect(args) -> None:
     from . import inspection
 
     inspection.main(args)
+
+
+def cmd_benchmark(args) -> None:
+    from . import benchmark
+
+    benchmark.main(args.config, args.arm, args.seed, args.result)
+
+
+def cmd_report(args) -> None:
+    from . import report
+
+    report.main(args)
+
+
+def cmd_plan(args) -> None:
+    from . import plan
+
+    plan.main(args)
+
+
+def cmd_doctor(args) -> None:
+    from . import doctor
+
+    code = doctor.main(args)
+    if code:
+        raise SystemExit(code)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,12 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="params.yaml")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(fn=cmd_params)
-    with_cfg(sub.add_parser("run", help="run the whole pipeline without DVC")).set_defaults(fn=cmd_run)
+    p = with_cfg(sub.add_parser("run", help="run the whole pipeline without DVC"))
+    p.add_argument("--plan", type=Path, help="run a plan.json from `opd plan --profile` (refused if edited)")
+    p.add_argument("--dry-run", action="store_true", help="with --plan: show what would run, run nothing")
+    p.set_defaults(fn=cmd_run)
     p = sub.add_parser("stage", help="run one stage")
     p.add_argument("name", choices=STAGES)
     with_cfg(p)
     p.add_argument("--step", type=int)
     p.add_argument("--out", type=Path, help="export: output dir")
+    p.add_argument("--verl", type=Path, metavar="OUT", help="export: write a verl 0.8 bundle to OUT instead")
     p.set_defaults(fn=cmd_stage)
     p = sub.add_parser("inspect", help="print trajectories of a rollout/scores Parquet or a run step")
     p.add_argument("path", help="rollout.parquet, scores.parquet, a step dir or a run dir")
@@ -115,6 +164,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=4)
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.set_defaults(fn=cmd_inspect)
+    p = sub.add_parser("report", help="write one self-contained HTML report of a run")
+    p.add_argument("run", help="a run name (artifacts/runs/RUN) or a run directory")
+    p.add_argument("--out", help="output file (default: the run dir's report.html)")
+    p.add_argument("--samples", type=int, default=3, help="trajectories shown per sampled step")
+    p.add_argument("--artifacts", help="artifacts dir (default: params.yaml's, else ./artifacts)")
+    p.set_defaults(fn=cmd_report)
+    p = with_cfg(sub.add_parser("plan", help="weight-free memory plan: peak per phase and placement, fits or not"))
+    p.add_argument("--out", help="also write the plan as JSON (e.g. plan.json)")
+    p.add_argument("--probe", action="store_true", help="CUDA: measure one bounded step (no optimizer update)")
+    p.set_defaults(fn=cmd_plan)
+    p = with_cfg(sub.add_parser("doctor", help="check this machine: versions, CUDA, embedded model, artifacts dir"))
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.set_defaults(fn=cmd_doctor)
+    p = sub.add_parser("benchmark", help="tool-use arms x seeds with an equal update budget (JSON + Markdown)")
+    p.add_argument("config", help="a benchmark YAML, e.g. conf/benchmark/tooluse.yaml")
+    # internal: the harness runs each (arm, seed) in its own process through these
+    p.add_argument("--arm", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.set_defaults(fn=cmd_benchmark)
+    from .verl.cli import add_commands  # plan, profiles, compat, export, data
+
+    add_commands(sub, with_cfg)
     return ap
 
 
@@ -125,8 +197,10 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*gemm_4bit.*")
-    from transformers.utils import logging as hf_logging
-
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # `opd doctor` reports a missing transformers itself
+        return
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
 
@@ -140,15 +214,44 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides or []) + extra
     _quiet_libraries()
+    restore = _install_signal_handlers()
     try:
         args.fn(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted: published stages are kept; run the same command again to resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"interrupted by {signal.Signals(signum).name}: the stage in flight was abandoned, published "
+              "stages are kept; run the same command again to resume", file=sys.stderr)
+        return 128 + signum
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"error: no space left on device writing {e.filename or '?'}; nothing half-written was "
+              "published: free space and run the same command again", file=sys.stderr)
+        return EXIT_NO_SPACE
+    finally:
+        restore()
     return 0
+
+
+def _install_signal_handlers():
+    """SIGTERM/SIGINT raise Interrupted in the main thread (once; later ones are ignored so the
+    abandoned stage's cleanup finishes). Returns a function restoring the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    old = {s: signal.getsignal(s) for s in sigs}
+
+    def handler(signum, frame):
+        for s in sigs:
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    for s in sigs:
+        signal.signal(s, handler)
+    return lambda: [signal.signal(s, h) for s, h in old.items()]
 
 
 if __name__ == "__main__":

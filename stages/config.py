@@ -30,6 +30,7 @@ class ModelCfg:
     init: str = "pretrained"  # pretrained | random (random: systems benchmarks only)
     keep_layers: int = 0  # 0 = all decoder layers; N = keep N layers evenly spaced (compression)
     quant: str = "none"  # none | nf4 | int8 (bitsandbytes)
+    double_quant: bool = False  # nf4 only: quantize the 4-bit blocks' scales too (bitsandbytes double quant)
     trust_remote_code: bool = False
     # arch:<name> models only: "embedded" (SmolLM2's tokenizer) or a local tokenizer directory
     tokenizer: str = "embedded"
@@ -39,11 +40,16 @@ class ModelCfg:
 class DataCfg:
     generator: str = "arith_words"  # a shipped deterministic prompt generator (stages/prompts.py)
     path: Optional[str] = None  # a verl-schema Parquet instead of the generator
+    # evaluation rows from their own verl Parquet (verl's data.val_files); None: path's 'test' rows
+    eval_path: Optional[str] = None
     prompt_key: str = "prompt"
     num_train: int = 64
     num_eval: int = 16
     seed: int = 0
     max_prompt_tokens: int = 128
+    # a prompt longer than max_prompt_tokens is an error unless a truncation policy is chosen
+    # explicitly; left/right/middle cut the chat-templated ids exactly as verl's `data.truncation`
+    truncation: str = "error"
 
 
 @dataclass
@@ -116,10 +122,55 @@ class EvalCfg:
 
 
 @dataclass
+class SelectionCfg:
+    """Which response positions reach the LM head and the loss (score and update); see stages/selection.py."""
+    mode: str = "all"  # all | uniform_ratio | uniform_budget | hybrid
+    ratio: float = 1.0  # uniform_ratio / hybrid: fraction of (non-span) positions kept per trajectory
+    budget: int = 0  # uniform_budget: positions kept per update batch (0 = all)
+    # hybrid: response spans always kept (regexes over the response text; the text protocol's tags)
+    keep_patterns: list[str] = field(
+        default_factory=lambda: [r"<tool_call>.*?(</tool_call>|$)", r"<final>.*?(</final>|$)"])
+
+
+@dataclass
 class RuntimeCfg:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     threads: int = 0  # 0 = torch default
+
+
+@dataclass
+class MemoryCfg:
+    """Memory budget and model placement (stages/plan.py, stages/memory.py). Nothing here changes what
+    is computed, so none of it is part of any stage digest."""
+    vram_gib: Optional[float] = None  # the budget in GiB; null = detected (CUDA device total, or host RAM on CPU)
+    placement: str = "auto"  # auto (the plan decides) | resident | swap | shared_backbone
+    margin: float = 0.1  # fraction of the budget kept free (CUDA context, allocator fragmentation, estimate error)
+    chunk_floor: int = 16  # a CUDA OOM in score/update halves the position chunk down to this, then errors
+    probe: bool = False  # `opd plan` also runs the bounded CUDA probe (as --probe does)
+
+
+@dataclass
+class EnvCfg:
+    """Multi-turn tool use (stages/envs/, stages/tooluse.py). name null = single-turn prompts (data.*)."""
+    name: Optional[str] = None  # null | calculator | jsonnav | sqlite
+    split: str = "easy"  # an environment split (calculator: easy | medium | hard; others: default)
+    max_turns: int = 3  # assistant turns per episode
+    max_tokens_per_turn: int = 48
+    num_train: int = 64  # tasks rollouts (and SFT traces) draw from
+    num_test: int = 12  # held-out tasks for the greedy tool-use evaluation
+    seed: int = 0  # task generation; the held-out tasks depend on it only, never on train.seed
+
+
+@dataclass
+class SftCfg:
+    """Supervised updates on verified oracle traces (stages/sft.py)."""
+    steps: int = 0  # student cold start: policy 0 = the SFT adapter after this many steps (0: fresh LoRA)
+    teacher_steps: int = 0  # steps of the teacher adapter that teacher_mode=protocol_sft reads
+    batch_size: int = 4  # traces per step
+    lr: float = 1.0e-3
+    seed: int = 0  # trace order of the student cold start (a benchmark varies it per seed)
+    teacher_seed: int = 0  # trace order and LoRA init of the teacher adapter
 
 
 @dataclass
@@ -136,9 +187,17 @@ class Config:
     train: TrainCfg = field(default_factory=TrainCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     runtime: RuntimeCfg = field(default_factory=RuntimeCfg)
+    memory: MemoryCfg = field(default_factory=MemoryCfg)
+    selection: SelectionCfg = field(default_factory=SelectionCfg)
+    env: EnvCfg = field(default_factory=EnvCfg)
+    sft: SftCfg = field(default_factory=SftCfg)
+    # raw | privileged_context (the teacher prompt carries task.oracle_hint) | protocol_sft (teacher =
+    # base + the SFT teacher adapter); the last two need env.name
+    teacher_mode: str = "raw"
 
 
 CHOICES = {
+    "memory.placement": ("auto", "resident", "swap", "shared_backbone"),
     "student.init": ("pretrained", "random"),
     "teacher.init": ("pretrained", "random"),
     "student.quant": ("none", "nf4", "int8"),
@@ -148,15 +207,19 @@ CHOICES = {
     "objective.divergence": ("forward", "reverse", "jsd"),
     "runtime.device": ("auto", "cpu", "cuda"),
     "runtime.dtype": ("auto", "float32", "bfloat16"),
+    "teacher_mode": ("raw", "privileged_context", "protocol_sft"),
+    "data.truncation": ("error", "left", "right", "middle"),
+    "selection.mode": ("all", "uniform_ratio", "uniform_budget", "hybrid"),
 }
 POSITIVE = (
     "data.num_train", "data.num_eval", "data.max_prompt_tokens", "rollout.batch_size", "rollout.n",
     "rollout.max_new_tokens", "objective.topk", "lora.r", "lora.alpha", "train.updates", "train.chunk",
     "eval.max_new_tokens", "eval.chunk", "rollout.temperature", "rollout.top_p", "optim.lr",
     "objective.full_vocab_limit",
+    "env.max_turns", "env.max_tokens_per_turn", "env.num_train", "env.num_test", "sft.batch_size", "sft.lr",
 )
 NON_NEGATIVE = ("student.keep_layers", "teacher.keep_layers", "rollout.min_new_tokens", "optim.warmup_updates",
-                "runtime.threads", "optim.weight_decay", "optim.max_grad_norm")
+                "runtime.threads", "optim.weight_decay", "optim.max_grad_norm", "sft.steps", "sft.teacher_steps")
 
 
 def _get(cfg: Any, dotted: str) -> Any:
@@ -186,7 +249,45 @@ def validate(cfg: Config, source: str = "config") -> Config:
         raise UserError(f"{source}: key 'objective.name' = {cfg.objective.name!r}; expected one of "
                         f"{', '.join(sorted(objectives.REGISTRY))}")
     objectives.check(cfg.objective, source)
+    _check_tooluse(cfg, source)
+    _check_memory(cfg, source)
+    from . import selection
+
+    selection.check(cfg.selection, source)
     return cfg
+
+
+def _check_memory(cfg: Config, source: str) -> None:
+    m = cfg.memory
+    if m.vram_gib is not None and not m.vram_gib > 0:
+        raise UserError(f"{source}: key 'memory.vram_gib' = {m.vram_gib}; expected a positive number of GiB or null")
+    if not 0 <= m.margin < 1:
+        raise UserError(f"{source}: key 'memory.margin' = {m.margin}; expected a fraction in [0, 1)")
+    if not m.chunk_floor > 0:
+        raise UserError(f"{source}: key 'memory.chunk_floor' = {m.chunk_floor}; expected a positive number")
+    for role in ("student", "teacher"):
+        mc = getattr(cfg, role)
+        if mc.double_quant and mc.quant != "nf4":
+            raise UserError(f"{source}: key '{role}.double_quant' = true needs {role}.quant=nf4 (it is {mc.quant!r})")
+
+
+def _check_tooluse(cfg: Config, source: str) -> None:
+    """env / sft / teacher_mode combinations (the environment registry names the bad key itself)."""
+    if cfg.env.name is None:
+        for key, bad in (("sft.steps", cfg.sft.steps > 0), ("teacher_mode", cfg.teacher_mode != "raw")):
+            if bad:
+                raise UserError(f"{source}: key '{key}' = {_get(cfg, key)!r} needs a tool environment; set env.name")
+        return
+    from . import envs
+    from .envs.task import check_split
+
+    try:
+        check_split(cfg.env.split, envs.get(cfg.env.name).SPLITS)
+    except UserError as e:
+        raise UserError(f"{source}: {e}") from None
+    if cfg.teacher_mode == "protocol_sft" and cfg.sft.teacher_steps <= 0:
+        raise UserError(f"{source}: key 'sft.teacher_steps' = {cfg.sft.teacher_steps}; teacher_mode=protocol_sft "
+                        "needs a teacher adapter trained for > 0 steps")
 
 
 def from_container(data: Any, source: str) -> Config:

@@ -15,7 +15,7 @@ import torch
 
 from . import lmhead, sampler, tables
 from .config import slice_of
-from .prepare import encode_prompt
+from .prepare import prompt_ids
 from .rollout import tokenizer
 from .session import VERSIONS, Session, phase
 from .store import digest, write_json
@@ -46,12 +46,12 @@ def run(sess: Session) -> dict:
     s["runtime"] = sess.runtime_slice()
     dig = digest("evaluate", VERSIONS["evaluate"], s, {
         "initial": sess.policy_digest(0), "final": sess.policy_digest(K), "prompts": sess.prepared["prompts"],
-        "teacher": sess.prepared["teacher"], "student": sess.prepared["student"]})
+        **sess.teacher_inputs(), "student": sess.prepared["student"]})
 
     def produce(tmp: Path) -> None:
         tok = tokenizer(sess)
         ev = tables.read(sess.store.path("prompts", sess.prepared["prompts"]) / "eval.parquet")
-        prompts = [encode_prompt(tok, m) for m in ev.column(cfg.data.prompt_key).to_pylist()]
+        prompts = [prompt_ids(tok, m, cfg.data) for m in ev.column(cfg.data.prompt_key).to_pylist()]
         state: dict = {"stage": "evaluate", "digest": dig}
         with phase(sess.device, state) as ph:
             teacher_resp = greedy(sess, sess.teacher(), sampler.make(sess.teacher(), cfg.rollout.cuda_graphs),

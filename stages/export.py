@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import models
 from .session import Session
-from .store import write_json
+from .store import fault, write_json
 
 
 def _copy_tree(src: Path, dst: Path) -> None:
@@ -47,8 +47,23 @@ def run(sess: Session, out: Path | None = None) -> Path:
 
         train.ensure_policy(sess, cfg.train.updates)
         pol = sess.store.path("update" if cfg.train.updates else "init", final)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with sess.store._lock(out.parent / f".{out.name}.lock"):  # one exporter per dir (two runs, one view)
+        try:
+            _export(sess, pol, final, out)
+        except BaseException:  # abandoned (error, SIGTERM): leave no temp dir behind
+            shutil.rmtree(out.parent / f".{out.name}.tmp-{os.getpid()}", ignore_errors=True)
+            raise
+    fault("export.after", out)
+    return out
+
+
+def _export(sess: Session, pol: Path, final: str, out: Path) -> None:
+    cfg = sess.cfg
+    fault("export.before", out)
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):  # under the lock: dead writers' leftovers
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     _copy_tree(sess.store.path("model", sess.prepared["student"]), tmp / "base")
     _copy_tree(pol / "adapter", tmp / "adapter")
     acfg = json.loads((tmp / "adapter" / "adapter_config.json").read_text())
@@ -64,10 +79,14 @@ def run(sess: Session, out: Path | None = None) -> Path:
                                   "update": sess.update_digest(k)} for k in range(1, cfg.train.updates + 1)}},
         "sha256": files,
     })
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+    fault("export.before_rename", tmp)
+    if out.exists():  # swap: the old export is moved aside, then removed (a kill in between: rerun)
+        old = out.parent / f".{out.name}.tmp-old-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out)
 
 
 def main(sess: Session, out: Path | None = None) -> Path:

@@ -91,7 +91,9 @@ def materialize(mcfg: ModelCfg, out: Path, seed: int, tokenizer_dir: Path | None
         spec.pop("_comment", None)
         config = AutoConfig.for_model(**spec)
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # initialised in fp32 (the init kernels' reference), stored in bf16: random weights carry no
+        # precision worth 2x the bytes, and the systems benchmarks load them in bf16 anyway
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(torch.bfloat16)
         if tokenizer_dir is not None and config.vocab_size >= 49152:
             tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     elif name == "embedded":
@@ -170,12 +172,20 @@ def load(model_dir: Path, mcfg: ModelCfg, device: torch.device, dtype: torch.dty
         except ImportError:
             raise UserError(f"quant '{mcfg.quant}' needs bitsandbytes: pip install 'opd-stages[quant]'") from None
         kw["quantization_config"] = (
-            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                               bnb_4bit_use_double_quant=getattr(mcfg, "double_quant", False))
             if mcfg.quant == "nf4" else BitsAndBytesConfig(load_in_8bit=True))
         kw["device_map"] = {"": device}
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kw)
     if mcfg.quant == "none":
         model.to(device)
+    elif device.type == "cpu":
+        # bitsandbytes repacks 4-bit weights for CPU inference at the first eval forward; that format
+        # has no autograd kernel, so a later LoRA backward would silently drop the gradient through
+        # the base (earlier layers' adapters get ~1% of theirs). Keep the trainable format.
+        for m in model.modules():
+            if hasattr(m, "support_avx512bf16_for_cpu"):
+                m.support_avx512bf16_for_cpu = False
     model.eval()
     model.requires_grad_(False)
     return model

@@ -17,7 +17,7 @@ from . import models, prompts, tables
 from .config import ModelCfg, slice_of
 from .errors import UserError
 from .session import VERSIONS, Session, require_tokenizer_match
-from .store import digest, file_hash, seed_of, write_json
+from .store import digest, fault, file_hash, seed_of, write_json
 
 
 def tokenizer_dir(sess: Session) -> Path:
@@ -67,9 +67,11 @@ def load_prompt_rows(sess: Session) -> tuple[pa.Table, pa.Table]:
     if d.path is None:
         train, evals = prompts.generate(d)
         return pa.Table.from_pylist(train, tables.PROMPTS), pa.Table.from_pylist(evals, tables.PROMPTS)
-    t = tables.read(Path(d.path), {d.prompt_key: pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))})
-    if t.num_rows == 0:
-        raise UserError(f"{d.path}: empty prompt set (0 rows)")
+    from .verl.data import read_verl_parquet
+
+    t = read_verl_parquet(d.path, d.prompt_key)
+    if d.eval_path is not None:  # verl's val_files: every row of that file is an evaluation row
+        return t.slice(0, d.num_train), read_verl_parquet(d.eval_path, d.prompt_key).slice(0, d.num_eval)
     if "extra_info" in t.column_names and pa.types.is_struct(t.schema.field("extra_info").type) \
             and "split" in [f.name for f in t.schema.field("extra_info").type]:
         split = [(e or {}).get("split", "train") for e in t.column("extra_info").to_pylist()]
@@ -87,19 +89,58 @@ def encode_prompt(tok, messages: list[dict]) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def check_prompts(t: pa.Table, key: str, tok, limit: int, source: str) -> None:
+def truncate_ids(ids: list[int], limit: int, policy: str) -> list[int]:
+    """verl's `data.truncation` on the chat-templated prompt ids: left keeps the last `limit` ids, right
+    the first, middle the first limit//2 and the last limit - limit//2; error (the default) never cuts."""
+    if len(ids) <= limit or policy == "error":
+        return ids
+    if policy == "left":
+        return ids[-limit:]
+    if policy == "right":
+        return ids[:limit]
+    if policy == "middle":
+        return ids[:limit // 2] + ids[len(ids) - (limit - limit // 2):]
+    raise UserError(f"key 'data.truncation' = {policy!r}; expected one of error, left, right, middle")
+
+
+def prompt_ids(tok, messages: list[dict], data) -> list[int]:
+    """Chat-templated prompt ids under the configured length policy (data: DataCfg)."""
+    return truncate_ids(encode_prompt(tok, messages), data.max_prompt_tokens, data.truncation)
+
+
+def check_prompts(t: pa.Table, key: str, tok, limit: int, source: str, truncation: str = "error") -> None:
     for i, msgs in enumerate(t.column(key).to_pylist()):
         if not msgs or not any((m.get("content") or "").strip() for m in msgs):
             raise UserError(f"{source}: row {i} has an empty prompt")
-        if tok is not None and (n := len(encode_prompt(tok, msgs))) > limit:
+        if truncation == "error" and tok is not None and (n := len(encode_prompt(tok, msgs))) > limit:
             raise UserError(f"{source}: row {i} prompt is {n} tokens; data.max_prompt_tokens = {limit} "
-                            "(raise the limit or shorten the prompt; prompts are never truncated)")
+                            "(raise the limit, shorten the prompt or choose data.truncation=left|right|middle)")
 
 
 def run(sess: Session) -> dict:
     cfg = sess.cfg
+    fault("prepare.before")
     student = model_digest(sess, cfg.student, "student")
     teacher = model_digest(sess, cfg.teacher, "teacher")
+    # The checks and records below are a pure function of the models and the data settings, so they
+    # are a stage too: a resumed run reads the record back instead of reloading both tokenizers.
+    files = {"rows": file_hash(cfg.data.path) if cfg.data.path else file_hash(prompts.SEEDS)}
+    if cfg.data.eval_path:
+        files["eval_rows"] = file_hash(cfg.data.eval_path)
+    rdig = digest("prepared", VERSIONS.get("prepared", 1), {**slice_of(cfg, "data", "env", "objective.topk"), **files},
+                  {"student": student, "teacher": teacher})
+    d, _ = sess.store.ensure("prepared", rdig, lambda tmp: write_json(tmp / "prepared.json",
+                                                                     _build(sess, student, teacher)))
+    out = json.loads((d / "prepared.json").read_text())
+    if sess.store.get("prompts", out["prompts"]) is None:  # rollout/evaluate read it: content-check it here
+        _build(sess, student, teacher)  # (missing or damaged: rebuilt, to the same digest and bytes)
+    write_json(sess.run_dir / "prepare.json", out)
+    fault("prepare.after")
+    return out
+
+
+def _build(sess: Session, student: str, teacher: str) -> dict:
+    cfg = sess.cfg
     sdir, tdir = sess.store.path("model", student), sess.store.path("model", teacher)
     fp_s, vocab_s = fingerprint(sdir)
     fp_t, vocab_t = fingerprint(tdir)
@@ -118,10 +159,11 @@ def run(sess: Session) -> dict:
     src = cfg.data.path or f"generator {cfg.data.generator!r}"
     if train.num_rows == 0:
         raise UserError(f"{src}: empty prompt set (no training rows)")
-    check_prompts(train, cfg.data.prompt_key, tok, cfg.data.max_prompt_tokens, src)
-    check_prompts(evals, cfg.data.prompt_key, tok, cfg.data.max_prompt_tokens, src)
+    check_prompts(train, cfg.data.prompt_key, tok, cfg.data.max_prompt_tokens, src, cfg.data.truncation)
+    check_prompts(evals, cfg.data.prompt_key, tok, cfg.data.max_prompt_tokens, src, cfg.data.truncation)
     ident = {"data": slice_of(cfg, "data")["data"], "tokenizer": fp_s,
-             "rows": file_hash(cfg.data.path) if cfg.data.path else file_hash(prompts.SEEDS)}
+             "rows": file_hash(cfg.data.path) if cfg.data.path else file_hash(prompts.SEEDS),
+             **({"eval_rows": file_hash(cfg.data.eval_path)} if cfg.data.eval_path else {})}
     pdig = digest("prompts", VERSIONS["prompts"], ident, {})
 
     def produce(tmp: Path) -> None:
@@ -132,7 +174,10 @@ def run(sess: Session) -> dict:
     sess.store.ensure("prompts", pdig, produce)
     out = {"student": student, "teacher": teacher, "prompts": pdig, "tokenizer": fp_s, "vocab": vocab_s,
            "num_train": train.num_rows, "num_eval": evals.num_rows}
-    write_json(sess.run_dir / "prepare.json", out)
+    if cfg.env.name:  # tool-use task rows (verl schema): rollouts, SFT traces, held-out evaluation
+        from . import tooluse
+
+        out.update(tooluse.prepare_tasks(sess, fp_s))
     return out
 
 

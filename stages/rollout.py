@@ -12,8 +12,8 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from . import sampler, tables
-from .prepare import encode_prompt
+from . import rewards, sampler, tables
+from .prepare import prompt_ids
 from .session import Session, phase
 from .store import seed_of, write_json
 
@@ -50,6 +50,10 @@ def sample(sess: Session, student, prompt_ids: list[list[int]], max_new: int, se
 
 
 def run(sess: Session, k: int) -> Path:
+    if sess.cfg.env.name:  # multi-turn episodes on a tool environment
+        from . import tooluse
+
+        return tooluse.rollout(sess, k)
     dig = sess.rollout_digest(k)
 
     def produce(tmp: Path) -> None:
@@ -60,7 +64,10 @@ def run(sess: Session, k: int) -> Path:
         msgs = prompts.column(cfg.data.prompt_key).to_pylist()
         sources = prompts.column("data_source").to_pylist() if "data_source" in prompts.column_names \
             else ["unknown"] * prompts.num_rows
-        pids = [encode_prompt(tok, msgs[i]) for i in idx]
+        pids = [prompt_ids(tok, msgs[i], cfg.data) for i in idx]
+        # rule reward where the prompt row carries reward_model.ground_truth (None: no reward)
+        truths = [rewards.ground_truth({"reward_model": r}) for r in prompts.column("reward_model").to_pylist()] \
+            if "reward_model" in prompts.column_names else [None] * prompts.num_rows
         student = sess.use_policy(k - 1)
         state: dict = {"stage": "rollout", "step": k, "digest": dig}
         with phase(sess.device, state) as ph:
@@ -77,7 +84,11 @@ def run(sess: Session, k: int) -> Path:
                 "response_mask": [1] * n, "sample_logprobs": out.logprobs[b, :n].tolist(),
                 "finish_reason": "stop" if bool(out.finished[b]) else "length",
                 "prompt_text": tok.decode(pids[b]), "response_text": tok.decode(resp),
+                "reward": rewards.rule_reward(tok.decode(resp, skip_special_tokens=True), truths[i]),
             })
+        scored = [r["reward"] for r in rows if r["reward"] is not None]
+        if scored:
+            state["reward_mean"] = round(sum(scored) / len(scored), 6)
         tables.write(tmp / "rollout.parquet", pa.Table.from_pylist(rows, tables.ROLLOUT),
                      {"digest": dig, "tokenizer": sess.prepared["tokenizer"]})
         write_json(tmp / "state.json", state)

@@ -66,19 +66,25 @@ def _bias(lin):
 
 @torch.no_grad()
 def sampling_weights(model) -> dict:
-    """Plain tensors for the functional decoder; merged LoRA. Built once per policy version."""
+    """Plain tensors for the functional decoder, LoRA merged, q/k/v and gate/up concatenated so a
+    decode step launches one matmul for each (fewer, larger kernels). Built once per policy version."""
     base = _base(model)
     inner, cfg = base.model, base.config
     dtype = inner.embed_tokens.weight.dtype
     layers = []
     for layer in inner.layers:
         a, m = layer.self_attn, layer.mlp
-        w = {p: _weight(getattr(a if p in PROJ[:4] else m, p), dtype) for p in PROJ}
-        w.update({f"{p}_bias": _bias(getattr(a, p)) for p in PROJ[:3]})
-        w["ln1"], w["ln2"] = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-        w["q_norm"] = getattr(getattr(a, "q_norm", None), "weight", None)
-        w["k_norm"] = getattr(getattr(a, "k_norm", None), "weight", None)
-        layers.append(w)
+        biases = [_bias(getattr(a, p)) for p in PROJ[:3]]
+        layers.append({
+            "qkv": torch.cat([_weight(getattr(a, p), dtype) for p in PROJ[:3]]),
+            "qkv_bias": None if biases[0] is None else torch.cat(biases),
+            "o_proj": _weight(a.o_proj, dtype),
+            "gate_up": torch.cat([_weight(m.gate_proj, dtype), _weight(m.up_proj, dtype)]),
+            "down_proj": _weight(m.down_proj, dtype),
+            "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
+            "q_norm": getattr(getattr(a, "q_norm", None), "weight", None),
+            "k_norm": getattr(getattr(a, "k_norm", None), "weight", None),
+        })
     rot = inner.rotary_emb
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return {
@@ -91,10 +97,13 @@ def sampling_weights(model) -> dict:
 
 
 def _rms(x, w, eps):
-    dt = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return w * x.to(dt)
+    # transformers: normalise in fp32, round once to the compute dtype, then scale by the weight.
+    # F.rms_norm is one fused kernel on CUDA and computes in fp32 internally for bf16 inputs.
+    if x.dtype == torch.float32 or x.device.type != "cuda":
+        dt = x.dtype
+        x = x.float()
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+    return w * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def _rope(x, cos, sin):
@@ -121,19 +130,21 @@ def _forward(W, ids, pos, cache_k, cache_v, slots, key_valid):
     act = getattr(F, W["act"]) if W["act"] != "swish" else F.silu
     for i, w in enumerate(W["layers"]):
         h = _rms(x, w["ln1"], W["eps"])
-        q = F.linear(h, w["q_proj"], w["q_proj_bias"]).view(B, T, H, D)
-        k = F.linear(h, w["k_proj"], w["k_proj_bias"]).view(B, T, KV, D)
-        v = F.linear(h, w["v_proj"], w["v_proj_bias"]).view(B, T, KV, D)
+        qkv = F.linear(h, w["qkv"], w["qkv_bias"]).view(B, T, H + 2 * KV, D)
         if w["q_norm"] is not None:  # Qwen3 normalises each head before rotary
-            q, k = _rms(q, w["q_norm"], W["eps"]), _rms(k, w["k_norm"], W["eps"])
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k, v = qkv.split((H, KV, KV), dim=2)
+            qk = torch.cat((_rms(q, w["q_norm"], W["eps"]), _rms(k, w["k_norm"], W["eps"])), dim=2)
+        else:
+            qk, v = qkv[:, :, :H + KV], qkv[:, :, H + KV:]
+        qk = _rope(qk.transpose(1, 2), cos, sin)  # q and k rotated together: [B, H+KV, T, D]
+        q, k = qk[:, :H], qk[:, H:]
         cache_k[i].index_copy_(2, slots, k)
-        cache_v[i].index_copy_(2, slots, v)
+        cache_v[i].index_copy_(2, slots, v.transpose(1, 2))
         o = F.scaled_dot_product_attention(q, cache_k[i], cache_v[i], attn_mask=mask, enable_gqa=KV != H)
         x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * D), w["o_proj"])
         h = _rms(x, w["ln2"], W["eps"])
-        x = x + F.linear(act(F.linear(h, w["gate_proj"])) * F.linear(h, w["up_proj"]), w["down_proj"])
+        gate, up = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
+        x = x + F.linear(act(gate) * up, w["down_proj"])
     return _rms(x, W["norm"], W["eps"])
 
 
@@ -170,15 +181,24 @@ class Engine:
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.graphs: dict[tuple, dict] = {}
 
+    @torch.no_grad()
     def refresh(self, model=None) -> None:
-        """New policy version: re-merge the LoRA into the sampling weights in place (graphs stay valid)."""
-        new = sampling_weights(model or self.model)
-        for old_l, new_l in zip(self.W["layers"], new["layers"]):
-            for p in PROJ:
-                if old_l[p] is not new_l[p] and old_l[p].data_ptr() != new_l[p].data_ptr():
-                    old_l[p].copy_(new_l[p])
-        if self.W["head"].data_ptr() != new["head"].data_ptr():
-            self.W["head"].copy_(new["head"])
+        """New policy version: re-merge the LoRA into the sampling weights in place, one matrix at a
+        time (no second copy of the weights; captured graphs keep reading the same buffers)."""
+        inner = _base(model or self.model).model
+        dt = self.W["dtype"]
+        for layer, w in zip(inner.layers, self.W["layers"]):
+            a, m = layer.self_attn, layer.mlp
+            for name, mods in (("qkv", (a.q_proj, a.k_proj, a.v_proj)), ("o_proj", (a.o_proj,)),
+                               ("gate_up", (m.gate_proj, m.up_proj)), ("down_proj", (m.down_proj,))):
+                if not any(hasattr(mod, "base_layer") for mod in mods):
+                    continue  # no adapter on these projections: nothing changes between versions
+                row = 0
+                for mod in mods:
+                    merged = _weight(mod, dt)
+                    w[name][row:row + merged.shape[0]].copy_(merged)
+                    row += merged.shape[0]
+                    del merged
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new: int, *, eos: int, pad: int, seed: int,

@@ -5,16 +5,17 @@ One teacher forward per batch; the LM head and top-k run in position chunks.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from . import lmhead, objectives, tables
+from . import lmhead, memory, objectives, selection, tables
 from .errors import UserError
 from .session import Session, phase
-from .store import write_json
+from .store import seed_of, write_json
 
 
 def read_rollout(path: Path) -> pa.Table:
@@ -27,6 +28,30 @@ def packed(sess: Session, t: pa.Table) -> lmhead.Packed:
                        tables.lists(t, "response_mask", np.int8), pad=0, device=sess.device)
 
 
+def select_positions(sess: Session, ro: pa.Table, seed: int) -> np.ndarray:
+    """[n] bool over the packed response positions (row-major, as `packed`): which reach the LM head."""
+    cfg = sess.cfg.selection
+    spans = None
+    if cfg.mode == "hybrid":
+        from .rollout import tokenizer
+
+        tok = tokenizer(sess)
+        spans = [selection.token_spans(tok, ids, cfg.keep_patterns) for ids in tables.lists(ro, "response_ids", np.int64)]
+    sel = selection.select(cfg, tables.lists(ro, "response_mask", np.int8), seed, spans)
+    return np.concatenate(sel).astype(bool) if sel else np.zeros(0, dtype=bool)
+
+
+def subset(p: lmhead.Packed, keep: torch.Tensor) -> lmhead.Packed:
+    """The packed batch restricted to the kept positions (same sequences, fewer head positions)."""
+    return dataclasses.replace(p, rows=p.rows[keep], cols=p.cols[keep], targets=p.targets[keep])
+
+
+def _spread(values: np.ndarray, sel: np.ndarray, fill) -> np.ndarray:
+    out = np.full((sel.size, *values.shape[1:]), fill, dtype=values.dtype)
+    out[sel] = values
+    return out
+
+
 def run(sess: Session, k: int) -> Path:
     dig = sess.score_digest(k)
 
@@ -35,21 +60,34 @@ def run(sess: Session, k: int) -> Path:
         ro = read_rollout(sess.store.path("rollout", sess.rollout_digest(k)) / "rollout.parquet")
         needs = objectives.needs(cfg.objective)
         kk = cfg.objective.topk if "topk" in needs else 0
+        sess.activate("teacher")  # placement swap: the student waits in host memory
         teacher = sess.teacher()
+        if cfg.teacher_mode == "privileged_context":  # the teacher's prompt carries the oracle block
+            from . import tooluse
+
+            ro = tooluse.with_teacher_prompts(sess, ro)
         p = packed(sess, ro)
-        state: dict = {"stage": "score", "step": k, "digest": dig}
-        with phase(sess.device, state, tokens=int(p.targets.numel())), torch.no_grad():
-            h = lmhead.hidden(teacher, p)  # [n, H]
-            lp, ids, tlp, ent = lmhead.score_positions(h, lmhead.head_weight(teacher), p.targets, cfg.train.chunk,
-                                                       kk, cfg.rollout.temperature, want_topk=kk > 0)
+        sel = select_positions(sess, ro, seed_of(dig))  # [n] bool over packed positions
+        ps = subset(p, torch.as_tensor(sel, device=p.rows.device))
+        state: dict = {"stage": "score", "step": k, "digest": dig, "selected_positions": int(sel.sum()),
+                       "response_positions": int(sel.size)}
+        def attempt(chunk: int):  # run again with a halved chunk after a CUDA OOM (memory.chunk_retry)
+            h = lmhead.hidden(teacher, ps)  # [n_sel, H]: only selected positions reach the LM head
+            return lmhead.score_positions(h, lmhead.head_weight(teacher), ps.targets, chunk,
+                                          kk, cfg.rollout.temperature, want_topk=kk > 0)
+
+        with phase(sess.device, state, tokens=int(ps.targets.numel())), torch.no_grad():
+            lp, ids, tlp, ent = memory.chunk_retry(sess, "score", k, state, attempt)
         if not torch.isfinite(lp).all() or (kk and not torch.isfinite(tlp).all()):
             raise UserError(f"score step {k}: teacher log-probs contain NaN/inf; nothing published")
-        lp, ent = lp.cpu().numpy(), ent.cpu().numpy()
-        ids, tlp = ids.cpu().numpy().astype(np.int32), tlp.cpu().numpy()
+        # back onto every response position; unselected ones were never scored: NaN (ids -1)
+        lp, ent = _spread(lp.cpu().numpy(), sel, np.nan), _spread(ent.cpu().numpy(), sel, np.nan)
+        ids, tlp = _spread(ids.cpu().numpy().astype(np.int32), sel, -1), _spread(tlp.cpu().numpy(), sel, np.nan)
         offs = np.array(p.offsets + [len(lp)], dtype=np.int32)
         lst = lambda flat: pa.ListArray.from_arrays(pa.array(offs), flat)  # noqa: E731  per-row lists
         cols = {"uid": ro.column("uid"), "teacher_logprobs": lst(pa.array(lp.astype(np.float32))),
-                "teacher_entropy": lst(pa.array(ent.astype(np.float32)))}
+                "teacher_entropy": lst(pa.array(ent.astype(np.float32))),
+                "selected": lst(pa.array(sel.astype(np.int8)))}
         if kk:
             cols["topk_ids"] = lst(pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1)), kk))
             cols["topk_logprobs"] = lst(pa.FixedSizeListArray.from_arrays(pa.array(tlp.reshape(-1)), kk))
@@ -57,7 +95,7 @@ def run(sess: Session, k: int) -> Path:
         table = pa.Table.from_pydict(cols, tables.scores_schema(kk))
         write_json(tmp / "state.json", state)
         tables.write(tmp / "scores.parquet", table, {"digest": dig, "tokenizer": sess.prepared["tokenizer"],
-                                                     "topk": kk})
+                                                     "topk": kk, "selection": cfg.selection.mode})
 
     d, _ = sess.store.ensure("score", dig, produce)
     return d

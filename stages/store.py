@@ -8,10 +8,12 @@ treated as absent: moved aside (never deleted, so nothing is lost) and recompute
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -58,22 +60,36 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fault(point: str) -> None:
-    """Fault injection for the reliability tests: OPD_FAULT=<point>[:<n>] SIGKILLs this process the
-    n-th time it reaches <point> (default the first)."""
+def fault(point: str, path: str | os.PathLike | None = None) -> None:
+    """Fault injection for the reliability tests: OPD_FAULT=<point>[:<n>][@<action>] acts the n-th
+    time this process reaches <point> (default the first). Actions: kill (default; SIGKILL, as power
+    loss or the OOM killer would), term / int (SIGTERM / SIGINT to itself, as a scheduler or Ctrl-C
+    would), enospc (an OSError ENOSPC on `path`, as a full disk would). The points are listed in
+    tests/reliability/harness.py (FAULT_POINTS): publish.* here, <stage>.before/.after around every
+    stage's work, a few inside stages."""
     spec = os.environ.get("OPD_FAULT")
     if not spec:
         return
+    spec, _, action = spec.partition("@")
     name, _, nth = spec.partition(":")
     if name != point:
         return
     count = _FAULT_COUNTS.get(point, 0) + 1
     _FAULT_COUNTS[point] = count
-    if count == int(nth or 1):
-        os.kill(os.getpid(), 9)
+    if count != int(nth or 1):
+        return
+    print(f"fault injection: {point} #{count} -> {action or 'kill'}", file=sys.stderr, flush=True)
+    if action == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path or point))
+    os.kill(os.getpid(), {"": signal.SIGKILL, "kill": signal.SIGKILL, "term": signal.SIGTERM,
+                          "int": signal.SIGINT}[action])
+
+
+_fault = fault
 
 
 _FAULT_COUNTS: dict[str, int] = {}
+_WARNED: set[str] = set()
 
 
 class Store:
@@ -134,39 +150,46 @@ class Store:
         with self._lock(parent / f".{dig}.lock"):
             if (d := self.get(stage, dig)) is not None:
                 return d, False
+            # Under the lock every temp dir of this digest is a dead writer's (SIGKILL, power loss):
+            # never published, so removing it loses nothing.
+            for stale in parent.glob(f".tmp-{dig}-*"):
+                shutil.rmtree(stale, ignore_errors=True)
             tmp = parent / f".tmp-{dig}-{os.getpid()}"
-            if tmp.exists():
-                shutil.rmtree(tmp)
             tmp.mkdir()
             try:
+                fault(f"{stage}.before", tmp)
                 produce(tmp)
+                fault("publish.after_temp_write", tmp)
                 self._seal(tmp, stage, dig)
                 final = self.path(stage, dig)
                 if final.exists():  # a broken earlier publish: keep it aside, never delete data
                     os.replace(final, parent / f".corrupt-{dig}-{int(time.time())}")
-                _fault("publish.before_rename")
+                fault("publish.before_rename", tmp)
                 os.replace(tmp, final)
                 _fsync_dir(parent)
+                fault("publish.after_rename", final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
             self._verified.add(final)
+            fault(f"{stage}.after", final)
             return final, True
 
     def _seal(self, tmp: Path, stage: str, dig: str) -> None:
-        files = {}
-        for p in sorted(tmp.rglob("*")):
-            if p.is_file():
-                with open(p, "rb+") as f:
-                    os.fsync(f.fileno())
-                files[str(p.relative_to(tmp))] = {"size": p.stat().st_size, "xxh3_128": file_hash(p)}
-        _fault("publish.before_manifest")
+        paths = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
+        for p in paths:
+            with open(p, "rb+") as f:
+                os.fsync(f.fileno())
+        fault("publish.after_fsync", tmp)
+        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "xxh3_128": file_hash(p)} for p in paths}
+        fault("publish.before_manifest", tmp)
         man = tmp / MANIFEST
         with open(man, "w") as f:
             json.dump({"stage": stage, "digest": dig, "files": files}, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
+        fault("publish.after_manifest", tmp)
 
     @contextmanager
     def _lock(self, path: Path):
@@ -179,7 +202,9 @@ class Store:
 
     @staticmethod
     def _warn(msg: str) -> None:
-        print(f"warning: {msg}", file=sys.stderr)
+        if msg not in _WARNED:  # a damaged dir is looked up several times; say so once
+            _WARNED.add(msg)
+            print(f"warning: {msg}", file=sys.stderr)
 
 
 def link(target: Path, at: Path) -> None:

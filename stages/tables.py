@@ -20,15 +20,38 @@ ROLLOUT = pa.schema([
     ("data_source", pa.string()), ("prompt_ids", pa.list_(pa.int32())), ("response_ids", pa.list_(pa.int32())),
     ("response_mask", pa.list_(pa.int8())), ("sample_logprobs", pa.list_(pa.float32())),
     ("finish_reason", pa.string()), ("prompt_text", pa.string()), ("response_text", pa.string()),
+    # task reward (rule reward from reward_model.ground_truth, or an environment's); null: not scored
+    ("reward", pa.float32()),
 ])
 
+# Optional rollout columns, present when a tool environment ran the episodes (env.name set): one
+# value per trajectory; `reward` (above) is 1.0 on strict success, else 0.0.
+ROLLOUT_TASK = pa.schema([
+    ("task_uid", pa.string()), ("answer", pa.string()), ("success", pa.bool_()), ("success_lenient", pa.bool_()),
+    ("turns", pa.int32()), ("tool_calls", pa.int32()), ("attempted_calls", pa.int32()),
+    ("invalid_calls", pa.int32()), ("parse_errors", pa.int32()),
+])
+ROLLOUT_WITH_TASK = pa.schema(list(ROLLOUT) + list(ROLLOUT_TASK))
+
+# Tool-environment task rows (stages.envs.to_verl_rows): verl's schema, extra_info widened.
+TASKS = pa.schema([
+    ("data_source", pa.string()),
+    ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("ability", pa.string()),
+    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("uid", pa.string()),
+                              ("env", pa.string()), ("env_split", pa.string()), ("context", pa.string()),
+                              ("oracle_hint", pa.string()), ("question", pa.string())])),
+])
 
 def scores_schema(k: int) -> pa.Schema:
     """k = 0: the objective needs no top-k, so those columns are absent."""
     topk = [("topk_ids", pa.list_(pa.list_(pa.int32(), k))), ("topk_logprobs", pa.list_(pa.list_(pa.float32(), k))),
             ("topk_mass", pa.list_(pa.float32()))] if k else []
+    # selected: 1 where the position reached the LM head (stages/selection.py); elsewhere the
+    # per-position values are NaN (top-k ids -1): never scored
     return pa.schema([("uid", pa.string()), ("teacher_logprobs", pa.list_(pa.float32())), *topk,
-                      ("teacher_entropy", pa.list_(pa.float32()))])
+                      ("teacher_entropy", pa.list_(pa.float32())), ("selected", pa.list_(pa.int8()))])
 
 
 PROMPTS = pa.schema([

@@ -7,6 +7,8 @@ one. Models load lazily, only when a stage actually has to run.
 from __future__ import annotations
 
 import csv
+import dataclasses
+import os
 import sys
 import time
 
@@ -14,16 +16,25 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import rollout, score, update
 from .session import Session
-from .store import write_json
+from .store import fault, write_json
 
 HISTORY_COLS = ["step", "loss", "kl", "grad_norm", "teacher_topk_mass", "student_topk_mass", "topk_overlap",
                 "rollout_tokens_per_s", "score_tokens_per_s", "update_tokens_per_s", "rollout_wall_s",
                 "score_wall_s", "update_wall_s", "peak_memory_gib", "response_tokens"]
 
 
+def policy0(sess: Session) -> None:
+    """With sft.steps > 0 policy 0 is the SFT cold start (trained from init); publish it."""
+    if sess.cfg.sft.steps:
+        from . import sft
+
+        sft.cold_start(sess)
+
+
 def ensure_policy(sess: Session, k: int) -> None:
     """Make policy version k exist in the store (runs the earlier steps if needed)."""
     update.init(sess)
+    policy0(sess)
     for j in range(1, k + 1):
         if sess.store.get("update", sess.update_digest(j)) is None:
             rollout.run(sess, j)
@@ -51,6 +62,7 @@ def run(sess: Session) -> dict:
     # validate early and set up in dependency order: prepared inputs -> policy 0 -> loop
     prepared = sess.prepared
     update.init(sess)
+    policy0(sess)
     sess.link_step(0)
     rows = []
     quiet = not sys.stderr.isatty()
@@ -58,12 +70,18 @@ def run(sess: Session) -> dict:
                   TimeElapsedColumn(), disable=quiet) as bar:
         task = bar.add_task("", total=cfg.train.updates)
         for k in range(1, cfg.train.updates + 1):
+            t_step = time.perf_counter()
             if sess.store.get("update", sess.update_digest(k)) is None:  # else: published, reuse
                 rollout.run(sess, k)
                 score.run(sess, k)
                 update.run(sess, k)
                 if k == 1:  # construction (model loads, graph capture) + the first update
                     sess.timings["first_update_s"] = round(time.perf_counter() - sess.t0, 4)
+                # the whole step as a user waits for it: phases + Parquet/adapter IO + publishing
+                sess.timings.setdefault("step_wall_s", []).append(round(time.perf_counter() - t_step, 4))
+            else:  # a reused step's rollout and scores are content-checked too before they are linked
+                rollout.run(sess, k)  # (and recomputed, to the same bytes, if damaged)
+                score.run(sess, k)
             sess.link_step(k)
             row = history_row(sess, k)
             rows.append(row)
@@ -73,11 +91,16 @@ def run(sess: Session) -> dict:
             if quiet:
                 print(f"step {k}/{cfg.train.updates}: loss {row['loss']:.4f} grad_norm {row['grad_norm']:.3f} "
                       f"rollout {row['rollout_tokens_per_s'] or 0:.0f} tok/s", file=sys.stderr)
+            fault("train.between_steps")
     sess.run_dir.mkdir(parents=True, exist_ok=True)
-    with open(sess.run_dir / "history.csv", "w", newline="") as f:
+    tmp = sess.run_dir / f".history.csv.tmp-{os.getpid()}"  # atomic: two runs of one view never interleave
+    with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=HISTORY_COLS)
         w.writeheader()
         w.writerows(rows)
+    os.replace(tmp, sess.run_dir / "history.csv")
+    # the resolved config beside the run view, for `opd report` and humans (not part of any identity)
+    write_json(sess.run_dir / "config.json", dataclasses.asdict(cfg))
     final = sess.policy_digest(cfg.train.updates)
     out = {"updates": cfg.train.updates, "final_policy": final, "initial_policy": sess.init_digest(),
            "prepared": prepared, "final_loss": rows[-1]["loss"] if rows else None,

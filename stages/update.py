@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from . import lmhead, models, objectives, tables
+from . import lmhead, memory, models, objectives, tables
 from .errors import UserError
-from .score import packed, read_rollout
+from .score import packed, read_rollout, subset
 from .session import Session, phase
-from .store import write_json
+from .store import fault, write_json
 
 
 def make_optimizer(sess: Session, student, state_file: Path | None):
@@ -27,7 +27,7 @@ def make_optimizer(sess: Session, student, state_file: Path | None):
     o = sess.cfg.optim
     named = models.trainable(student)
     opt = torch.optim.AdamW([p for _, p in named], lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                            weight_decay=o.weight_decay, foreach=False)
+                            weight_decay=o.weight_decay, foreach=True)
     if state_file is not None and state_file.exists():
         sd = load_file(state_file)
         step = sd.pop("__step__", None)
@@ -67,11 +67,12 @@ def save_adapter(student, out: Path, base_name: str) -> None:
 
 
 def load_scores(path: Path, topk: int) -> dict:
-    need = {"uid": None, "teacher_logprobs": None}
+    need = {"uid": None, "teacher_logprobs": None, "selected": None}
     if topk:
         need.update(topk_ids=None, topk_logprobs=None)
     t = tables.read(path, need)
-    out = {"teacher_logprobs": np.concatenate(tables.lists(t, "teacher_logprobs"))}
+    out = {"teacher_logprobs": np.concatenate(tables.lists(t, "teacher_logprobs")),
+           "selected": np.concatenate(tables.lists(t, "selected", np.int8)).astype(bool)}
     if topk:
         out["topk_ids"] = np.concatenate(tables.topk_lists(t, "topk_ids", topk, np.int64))
         out["topk_logprobs"] = np.concatenate(tables.topk_lists(t, "topk_logprobs", topk, np.float32))
@@ -79,43 +80,70 @@ def load_scores(path: Path, topk: int) -> dict:
 
 
 def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch.Tensor, sc: dict,
-                      advantages: torch.Tensor | None = None) -> dict:
-    """Chunked objective with one backward through the backbone. Returns scalar diagnostics."""
+                      advantages: torch.Tensor | None = None, keep: np.ndarray | None = None,
+                      chunk: int | None = None) -> dict:
+    """Chunked objective with one backward through the backbone. Returns scalar diagnostics.
+    chunk: positions per LM-head/loss chunk (default train.chunk; smaller after a CUDA OOM).
+
+    keep: [n] bool over the packed positions (score's `selected`): only those reach the LM head and
+    count in the loss; the aggregation treats them as the response mask."""
     cfg, dev = sess.cfg, sess.device
     ob = objectives.get(cfg.objective.name)
-    w = objectives.agg_weights(p.mask, cfg.objective.loss_agg_mode)  # [B, R]
-    # weight of each packed position: row b, offset j within its response
+    # offset j of each packed position within its row's response
     j = torch.arange(p.rows.numel(), device=dev) - torch.tensor(p.offsets, device=dev)[p.rows]
-    wpos = w[p.rows, j]  # [n]
+    mask = p.mask  # [B, R]
+    if keep is not None and not keep.all():
+        kt = torch.as_tensor(keep, device=dev)
+        mask = p.mask.clone()
+        mask[p.rows[~kt], j[~kt]] = 0
+        p, j, sample_lp = subset(p, kt), j[kt], sample_lp[kt]
+        sc = {name: v[keep] for name, v in sc.items()}
+        advantages = advantages[kt] if advantages is not None else None
+    w = objectives.agg_weights(mask, cfg.objective.loss_agg_mode)  # [B, R]
+    wpos = w[p.rows, j]  # [n]: weight of each position (row b, offset j within its response)
     h = lmhead.hidden(student, p)  # [n, H], graph through the backbone (LoRA)
     leaf = h.detach().requires_grad_(True)
     head = lmhead.head_weight(student)
     T = cfg.rollout.temperature
-    tot = {"loss": 0.0}
-    diag_sums: dict[str, float] = {}
-    tv = lambda x: None if x is None else torch.as_tensor(x, device=dev)  # noqa: E731
-    for c in lmhead.chunks(p.rows.numel(), cfg.train.chunk):
+    # teacher arrays move to the device once; sums stay on the device (one sync at the end)
+    sc = {name: torch.as_tensor(v, device=dev) for name, v in sc.items() if v is not None}
+    loss_sum = torch.zeros((), device=dev)
+    diag_sums: dict[str, torch.Tensor] = {}
+    for c in lmhead.chunks(p.rows.numel(), chunk or cfg.train.chunk):
         logits = F.linear(leaf[c], head).float() / T  # [c, V]: the only vocab-sized tensor, one chunk
         ch = objectives.Chunk(
             student_logits=logits, sampled_ids=p.targets[c], old_logprobs=sample_lp[c],
-            teacher_logprobs=tv(sc.get("teacher_logprobs"))[c] if "teacher_logprobs" in sc else None,
-            topk_ids=tv(sc["topk_ids"][c]) if "topk_ids" in sc else None,
-            topk_logprobs=tv(sc["topk_logprobs"][c]) if "topk_logprobs" in sc else None,
+            teacher_logprobs=sc["teacher_logprobs"][c] if "teacher_logprobs" in sc else None,
+            topk_ids=sc["topk_ids"][c] if "topk_ids" in sc else None,
+            topk_logprobs=sc["topk_logprobs"][c] if "topk_logprobs" in sc else None,
             advantages=advantages[c] if advantages is not None else None)
         per_tok, diag = ob.per_token(ch, cfg.objective)  # [c]
         loss = (per_tok * wpos[c]).sum()
         if loss.requires_grad:
             loss.backward()
-        tot["loss"] += float(loss.detach())
-        m = p.mask[p.rows[c], j[c]]
+        loss_sum += loss.detach()
+        m = mask[p.rows[c], j[c]]
         for name, v in diag.items():
-            diag_sums[name] = diag_sums.get(name, 0.0) + float((v.float() * m).sum())
+            diag_sums[name] = diag_sums.get(name, 0.0) + (v.detach().float() * m).sum()
         del logits, ch, per_tok, loss
     if leaf.grad is not None:
         h.backward(leaf.grad)  # the single backward through the backbone
-    n_tok = float(p.mask.sum().clamp_min(1))
-    tot.update({k: v / n_tok for k, v in diag_sums.items()})
+    n_tok = float(mask.sum().clamp_min(1))
+    tot = {"loss": float(loss_sum)}
+    tot.update({k: float(v) / n_tok for k, v in diag_sums.items()})
     return tot
+
+
+def trajectory_advantages(ro, cfg, k: int) -> torch.Tensor:
+    """[B] task-reward advantage of each trajectory (objective.advantage over prompt groups)."""
+    rewards = ro.column("reward").to_pylist() if "reward" in ro.column_names else [None] * ro.num_rows
+    missing = sum(r is None for r in rewards)
+    if missing:
+        raise UserError(f"update step {k}: objective '{cfg.objective.name}' needs task rewards, but {missing} of "
+                        f"{len(rewards)} trajectories have none (their prompt rows lack reward_model.ground_truth; "
+                        "use data.generator=arith or a Parquet with ground truths)")
+    groups = ro.column("prompt_index").to_pylist()
+    return objectives.reward_advantages(torch.tensor(rewards, dtype=torch.float32), groups, cfg.objective.advantage)
 
 
 def run(sess: Session, k: int) -> Path:
@@ -123,8 +151,7 @@ def run(sess: Session, k: int) -> Path:
 
     def produce(tmp: Path) -> None:
         cfg = sess.cfg
-        prev_stage = "init" if k == 1 else "update"
-        prev = sess.store.path(prev_stage, sess.policy_digest(k - 1))
+        prev = sess.policy_dir(k - 1)  # init, the SFT cold start, or update k-1
         ro = read_rollout(sess.store.path("rollout", sess.rollout_digest(k)) / "rollout.parquet")
         needs = objectives.needs(cfg.objective)
         sc = load_scores(sess.store.path("score", sess.score_digest(k)) / "scores.parquet",
@@ -132,16 +159,26 @@ def run(sess: Session, k: int) -> Path:
         student = sess.use_policy(k - 1)
         p = packed(sess, ro)
         sample_lp = torch.as_tensor(np.concatenate(tables.lists(ro, "sample_logprobs")), device=sess.device)
-        opt, named = make_optimizer(sess, student, prev / "optimizer.safetensors")
+        keep = sc.pop("selected")
+        adv = None
+        if "advantages" in needs:  # task-reward advantage per trajectory, spread over its positions
+            traj = trajectory_advantages(ro, cfg, k)  # [B]
+            adv = traj.to(sess.device)[p.rows]  # [n]
+        # after an SFT cold start the distillation starts its own Adam moments (the SFT loss's are not its)
+        opt, named = make_optimizer(sess, student, None if prev.parent.name == "sft" else prev / "optimizer.safetensors")
         lr = cfg.optim.lr * min(1.0, k / cfg.optim.warmup_updates) if cfg.optim.warmup_updates else cfg.optim.lr
         for gr in opt.param_groups:
             gr["lr"] = lr
         state: dict = {"stage": "update", "step": k, "digest": dig, "lr": lr}
-        torch.manual_seed(int(dig[:8], 16))  # LoRA dropout, if any, draws from the stage's own seed
         student.train()
+
+        def attempt(chunk: int):  # run again with a halved chunk after a CUDA OOM (memory.chunk_retry)
+            opt.zero_grad(set_to_none=True)  # a failed attempt's partial gradients are discarded
+            torch.manual_seed(int(dig[:8], 16))  # LoRA dropout, if any, draws from the stage's own seed
+            return loss_and_backward(sess, student, p, sample_lp, sc, adv, keep, chunk=chunk)
+
         with phase(sess.device, state, tokens=int(p.mask.sum())):
-            opt.zero_grad(set_to_none=True)
-            stats = loss_and_backward(sess, student, p, sample_lp, sc)
+            stats = memory.chunk_retry(sess, "update", k, state, attempt)
             if not np.isfinite(stats["loss"]):
                 raise UserError(f"update step {k}: loss is {stats['loss']}; stopped before publishing policy {k}")
             gn = torch.nn.utils.clip_grad_norm_([q for _, q in named], cfg.optim.max_grad_norm or float("inf"))
@@ -155,6 +192,7 @@ def run(sess: Session, k: int) -> Path:
         state.update({k2: round(v, 6) for k2, v in stats.items()}, grad_norm=round(float(gn), 6))
         state["kl"] = state["loss"] if cfg.objective.name == "forward_kl_topk" else None
         save_adapter(student, tmp / "adapter", f"opd-store/model/{sess.prepared['student']}")
+        fault("update.mid", tmp)  # half-written: adapter saved, optimizer not yet
         save_optimizer(opt, named, tmp / "optimizer.safetensors")
         write_json(tmp / "state.json", state)
 

@@ -20,12 +20,12 @@ def tiny(name="tiny-llama", seed=0, **over):
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec), dtype=torch.float32).eval()
 
 
-def with_trained_lora(model):
+def with_trained_lora(model, scale=0.2):
     peft = models.add_lora(model, LoraCfg(r=4, alpha=8), seed=1)
     with torch.no_grad():  # make the adapter non-trivial so merging matters
         for n, p in peft.named_parameters():
             if "lora_B" in n:
-                p.normal_(0, 0.2)
+                p.normal_(0, scale)
     return peft
 
 

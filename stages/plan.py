@@ -1,0 +1,527 @@
+"""`opd plan`: a weight-free memory plan. Reads only the models' config files (config.json, the
+embedded GGUF's header, conf/arch/*.json) and our config, estimates the peak memory of every phase
+under every placement, picks one (memory.placement=auto) and refuses an infeasible plan naming
+the settings that would make it fit. `--probe` (CUDA) puts measured peaks beside the estimates.
+
+What each phase holds (steady state, step >= 2; bytes; s = bytes of the compute dtype):
+  rollout  student weights + LoRA (fp32) + LoRA grads kept from the last update + the engine's
+           merged copy of the LoRA-targeted projections (s) + static KV cache
+           2 * layers * B * kv_heads * (prompt_bucket + max_new) * head_dim * s + prefill
+           activations B * P * (2H + 3I) * s + attention scores + sampling buffers [B, V] fp32
+  score    teacher weights + forward activations t * max(2H + 3I, 2H + 5 q_dim) * s + hidden
+           states + one chunk of logits: 3 * chunk * V * 4 (log_softmax, exp, product for entropy)
+  update   student weights + LoRA + grads (fp32) + AdamW moments (2 x fp32) + saved activations
+           t * (layers * a + 4H) (a per token and layer, `saved_per_token_layer`) + backward
+           scratch t * (2H + 3I) * 4 + loss chunk 4 * chunk * V * 4
+  refresh  between update and the next rollout the engine re-merges every targeted projection
+           into a new copy before copying it in place: twice the merged copy
+Under resident every phase also holds the idle role; under swap it waits in host memory; under
+shared_backbone the teacher is the student's base (no second copy). t = B * (P + max_new).
+The activation terms were checked against autograd's saved tensors (CPU, real SmolLM2-360M
+widths): within 1% for bf16 and fp32.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UserError
+from .memory import GIB
+from .shapes import PROJ, Shape, shape_of
+
+PLACEMENTS = ("resident", "swap", "shared_backbone")
+PHASES = ("rollout", "score", "update", "refresh")
+ENGINE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}  # stages/sampler.py SUPPORTED (no torch import here)
+NF4_BLOCK = 64  # bitsandbytes 4-bit: one absmax per 64 weights (fp32; uint8 + 1/256 fp32 with double quant)
+ENV_TOOL_TOKENS = 32  # assumed tokens of one tool message per turn (env rollouts): the env decides
+
+
+# ---- bytes of each component ----
+
+def weight_bytes(sh: Shape, quant: str, double_quant: bool, s: int) -> int:
+    """Weights as loaded: linear layers of the decoder in `quant`, everything else in the compute dtype
+    (transformers never quantizes embeddings, norms or the output head)."""
+    lin = sh.layers * sh.linear_params()
+    if quant == "nf4":
+        absmax = lin / NF4_BLOCK * ((1 + 4 / 256) if double_quant else 4)
+        return int(lin * 0.5 + absmax) + sh.other_params() * s
+    if quant == "int8":  # LLM.int8: int8 weights + one fp32 scale per output row
+        rows = sh.layers * sum(o for _, o in sh.proj().values())
+        return lin + 4 * rows + sh.other_params() * s
+    return (lin + sh.other_params()) * s
+
+
+def targets(sh: Shape, lora) -> list[str]:
+    t = [m for m in lora.target_modules if m in PROJ or m == "lm_head"]
+    if not t:
+        raise UserError(f"key 'lora.target_modules' = {list(lora.target_modules)}: none is a projection of a "
+                        f"{sh.model_type} model ({', '.join(PROJ)}, lm_head)")
+    return t
+
+
+def lora_params(sh: Shape, lora) -> int:
+    tg, proj = targets(sh, lora), sh.proj()
+    n = sh.layers * sum(lora.r * (i + o) for name, (i, o) in proj.items() if name in tg)
+    return n + (lora.r * (sh.hidden + sh.vocab) if "lm_head" in tg else 0)
+
+
+def engine_copy_bytes(sh: Shape, lora, s: int) -> int:
+    """sampler.sampling_weights: a merged (base + LoRA delta) copy of every LoRA-targeted projection;
+    untargeted weights are shared with the model, not copied."""
+    tg, proj = targets(sh, lora), sh.proj()
+    n = sh.layers * sum(i * o for name, (i, o) in proj.items() if name in tg)
+    return (n + (sh.vocab * sh.hidden if "lm_head" in tg else 0)) * s
+
+
+def saved_per_token_layer(sh: Shape, lora, s: int) -> int:
+    """Bytes autograd keeps per token and decoder layer for the LoRA backward (no checkpointing).
+
+    Two RMSNorms keep an fp32 copy of their input (8H); SDPA keeps q and k, v repeated to all heads
+    (transformers repeats them under a padding mask) and its output (4 q_dim s); the MLP keeps gate,
+    act(gate) and up (3I s); Qwen3's q/k norms keep fp32 copies. Each LoRA layer keeps its input in
+    fp32 (PEFT casts the input to the fp32 adapter's dtype: with a bf16 base every targeted
+    projection makes its own copy; in fp32 the inputs are shared tensors) and lora_A's output [r]."""
+    H, I, qd, r = sh.hidden, sh.inter, sh.q_dim, lora.r
+    b = 8 * H + 4 * qd * s + 3 * I * s
+    b += (qd + sh.kv_dim) * 4 if sh.qk_norm else 0
+    inputs = {"q_proj": ("attn_in", H), "k_proj": ("attn_in", H), "v_proj": ("attn_in", H),
+              "o_proj": ("attn_out", qd), "gate_proj": ("mlp_in", H), "up_proj": ("mlp_in", H),
+              "down_proj": ("mlp_mid", I)}
+    seen: set[str] = set()
+    for name in targets(sh, lora):
+        if name not in inputs:
+            continue
+        key, width = inputs[name]
+        b += 4 * r
+        if s != 4:
+            b += 4 * width
+        elif key != "attn_out" and key not in seen:  # fp32 attn_out is SDPA's own (kept) output
+            b += 4 * width
+            seen.add(key)
+    return b
+
+
+def forward_bytes(sh: Shape, tokens: int, s: int) -> int:
+    """Peak transient of a no-grad forward: one layer's residual + normed input + its MLP
+    (act(gate), up, product) or attention (q, k, v repeated, output), whichever is larger."""
+    return tokens * max(2 * sh.hidden + 3 * sh.inter, 2 * sh.hidden + 5 * sh.q_dim) * s
+
+
+def dequant_bytes(sh: Shape, quant: str, tokens: int, s: int) -> int:
+    """A quantized matmul's scratch: NF4 dequantizes one projection to the compute dtype; int8 holds an
+    int32 output."""
+    big = max(i * o for i, o in sh.proj().values())
+    if quant == "nf4":
+        return big * s
+    if quant == "int8":
+        return tokens * max(o for _, o in sh.proj().values()) * 4
+    return 0
+
+
+# ---- the workload and the phases ----
+
+@dataclass
+class Ctx:
+    cfg: object
+    device: str  # cuda | cpu (the target: planning for CUDA needs no GPU here)
+    dtype: str
+    s: int
+    S: Shape
+    T: Shape
+
+    @property
+    def engine(self) -> bool:
+        """The fast rollout engine runs (merged LoRA copy, static KV cache) or the transformers fallback."""
+        return self.S.model_type in ENGINE_TYPES and self.cfg.student.quant == "none"
+
+
+def workload(x: Ctx) -> dict:
+    cfg, r = x.cfg, x.cfg.rollout
+    B, P = r.batch_size * r.n, cfg.data.max_prompt_tokens
+    env = getattr(cfg, "env", None)
+    N = env.max_turns * (env.max_tokens_per_turn + ENV_TOOL_TOKENS) if env is not None and env.name \
+        else r.max_new_tokens
+    graphs = x.device == "cuda" and r.cuda_graphs and x.engine
+    n = B * N
+    sel, n_sel = getattr(cfg, "selection", None), n
+    if sel is not None and sel.mode == "uniform_ratio":
+        n_sel = max(1, math.ceil(n * sel.ratio))
+    elif sel is not None and sel.mode == "uniform_budget" and sel.budget:
+        n_sel = min(n, sel.budget)
+    return {"sequences": B, "prompt_tokens": P, "prompt_bucket": -(-P // 16) * 16 if graphs else P,
+            "new_tokens": N, "tokens": B * (P + N), "response_positions": n, "head_positions": n_sel,
+            "chunk": min(cfg.train.chunk, n_sel), "vocab": x.S.vocab, "cuda_graphs": graphs}
+
+
+def _label(quant: str, dq: bool, dtype: str) -> str:
+    return {"none": dtype, "nf4": "nf4 + double quant" if dq else "nf4", "int8": "int8"}[quant]
+
+
+def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int]]]:
+    """(role, component, bytes) held during each phase under `placement`."""
+    cfg, S, T, s = x.cfg, x.S, x.T, x.s
+    w = workload(x)
+    B, P, Pb, N, t = w["sequences"], w["prompt_tokens"], w["prompt_bucket"], w["new_tokens"], w["tokens"]
+    n, c, V, k = w["head_positions"], w["chunk"], S.vocab, cfg.objective.topk
+    moves = placement == "swap" and x.device != "cpu"  # on CPU the "device" is host memory
+    shared = placement == "shared_backbone"
+    sq, tq = cfg.student.quant, cfg.teacher.quant
+    sdq, tdq = getattr(cfg.student, "double_quant", False), getattr(cfg.teacher, "double_quant", False)
+    lora = lora_params(S, cfg.lora) * 4
+    stud = [("student", f"weights ({_label(sq, sdq, x.dtype)})", weight_bytes(S, sq, sdq, s)),
+            ("student", "LoRA (fp32)", lora), ("student", "LoRA grads (fp32, kept from the last update)", lora)]
+    eng = [("student", "rollout engine: merged copy of the LoRA-targeted weights",
+            engine_copy_bytes(S, cfg.lora, s))] if x.engine else []
+    teach = [("teacher", "weights: the student's base (shared, counted once)", 0)] if shared else \
+        [("teacher", f"weights ({_label(tq, tdq, x.dtype)})", weight_bytes(T, tq, tdq, s))]
+    adam = [("student", "AdamW moments (2 x fp32)", 2 * lora)]
+    out: dict[str, list] = {}
+
+    ro = stud + (eng if x.engine else []) + ([] if moves else teach)
+    if x.engine:
+        L = Pb + N
+        if moves:  # the engine is rebuilt inside each rollout: fp32 scratch of one merge
+            big = max(i * o for name, (i, o) in S.proj().items() if name in targets(S, cfg.lora)) if \
+                any(m in PROJ for m in targets(S, cfg.lora)) else 0
+            ro.append(("student", "engine merge scratch (fp32, one projection)", 3 * big * 4))
+        ro += [("student", f"static KV cache [{S.layers}, {B}, {S.kv_heads}, {L}, {S.head_dim}] x2",
+                2 * S.layers * B * S.kv_heads * L * S.head_dim * s),
+               ("student", f"prefill activations ({B} x {Pb} tokens) + attention scores",
+                B * Pb * (2 * S.hidden + 3 * S.inter) * s + 2 * B * S.heads * Pb * L * 4),
+               ("student", "sampling buffers [B, V] fp32" + (" (live + graph pool)" if w["cuda_graphs"] else ""),
+                B * V * (s + 16 + (21 if cfg.rollout.top_p < 1 else 0)) * (2 if w["cuda_graphs"] else 1))]
+    else:  # transformers fallback: dynamic cache, LoRA unmerged, logits of every prompt position
+        ro += [("student", f"KV cache (dynamic) [{S.layers}, {B}, {S.kv_heads}, {P + N}, {S.head_dim}] x2",
+                2 * S.layers * B * S.kv_heads * (P + N) * S.head_dim * s),
+               ("student", f"prefill activations + logits [{B}, {P}, {V}]",
+                forward_bytes(S, B * P, s) + B * P * V * s),
+               ("student", "sampling buffers [B, V] fp32", B * V * (s + 16)),
+               ("student", "quantized matmul scratch", dequant_bytes(S, sq, B * P, s))]
+    out["rollout"] = ro
+
+    sc = ([] if moves else stud + eng) + teach
+    tquant = sq if shared else tq
+    sc += [("teacher", f"forward activations ({t} tokens)", forward_bytes(T, t, s)),
+           ("teacher", f"hidden states [{t}, H] + selected [{n}, H]", (t + n) * T.hidden * s),
+           ("teacher", f"logits chunk [{c}, {V}] fp32 x3 (log_softmax, exp, entropy term)", 3 * c * V * 4),
+           ("teacher", "log-probs, entropy, top-k ids and log-probs", n * (8 + 12 * k)),
+           ("teacher", "quantized matmul scratch", dequant_bytes(T, tquant, t, s))]
+    out["score"] = sc
+
+    full = "full" in _needs(cfg)
+    up = stud + adam + ([] if moves else eng + teach)
+    up += [("student", f"saved activations ({t} tokens x {S.layers} layers)",
+            t * (S.layers * saved_per_token_layer(S, cfg.lora, s) + 4 * S.hidden)),
+           ("student", "backward scratch (one layer)", t * (2 * S.hidden + 3 * S.inter) * 4),
+           ("student", f"loss chunk [{c}, {V}] fp32 x4" + (" + teacher logits" if full else ""),
+            (5 if full else 4) * c * V * 4),
+           ("student", f"hidden-state grad [{n}, H]", n * S.hidden * s),
+           ("student", "quantized matmul scratch", dequant_bytes(S, sq, t, s))]
+    out["update"] = up
+
+    if x.engine and not moves:  # update.run re-merges after the step, Adam moments still alive
+        out["refresh"] = stud + adam + teach + eng + [
+            ("student", "rollout engine: the new merged copy (transient)", engine_copy_bytes(S, cfg.lora, s))]
+    return {ph: [i for i in items if i[2] or "shared" in i[1]] for ph, items in out.items()}
+
+
+def _needs(cfg) -> set:
+    from . import objectives
+
+    return objectives.needs(cfg.objective)
+
+
+# ---- placements ----
+
+BASE_KEYS = ("name", "revision", "init", "keep_layers", "quant", "double_quant", "trust_remote_code", "tokenizer")
+
+
+def refusal(cfg, placement: str) -> str | None:
+    """Why `placement` cannot run this config (None: it can). Weight-free."""
+    if placement == "swap":
+        for role in ("student", "teacher"):
+            q = getattr(cfg, role).quant
+            if q != "none":
+                return (f"memory.placement=swap: {role}.quant={q} is a bitsandbytes-quantized role whose weights "
+                        f"cannot move to host memory and back; use memory.placement=resident (or {role}.quant=none)")
+    if placement == "shared_backbone":
+        diff = [k for k in BASE_KEYS if getattr(cfg.student, k, None) != getattr(cfg.teacher, k, None)]
+        if diff:
+            d = ", ".join(f"student.{k}={getattr(cfg.student, k)!r} vs teacher.{k}={getattr(cfg.teacher, k)!r}"
+                          for k in diff)
+            return (f"memory.placement=shared_backbone needs the teacher to be the student's base, but the bases "
+                    f"differ ({d}); use memory.placement=resident or swap")
+        if getattr(cfg, "teacher_mode", "raw") == "protocol_sft":
+            return ("memory.placement=shared_backbone: teacher_mode=protocol_sft gives the teacher its own adapter; "
+                    "a shared backbone here only disables the student's; use memory.placement=resident or swap")
+    return None
+
+
+def check_placement(cfg, placement: str) -> None:
+    why = refusal(cfg, placement)
+    if why:
+        raise UserError(why)
+
+
+def _evaluate(x: Ctx) -> dict:
+    res = {}
+    for p in PLACEMENTS:
+        why = refusal(x.cfg, p)
+        if why:
+            res[p] = {"refused": why}
+            continue
+        ph = phases(x, p)
+        tot = {name: sum(b for *_, b in items) for name, items in ph.items()}
+        worst = max(tot, key=tot.get)
+        res[p] = {"phases": ph, "totals": tot, "peak": tot[worst], "peak_phase": worst}
+    return res
+
+
+def _choose(cfg, ev: dict, usable: float) -> tuple[str, str]:
+    req = cfg.memory.placement
+    if req != "auto":
+        if "refused" in ev[req]:
+            raise UserError(ev[req]["refused"])
+        return req, f"memory.placement={req} (requested)"
+    ok = [p for p in ("shared_backbone", "resident", "swap") if "refused" not in ev[p]]
+    g = lambda p: ev[p]["peak"] / GIB  # noqa: E731
+    for p in ok:
+        if ev[p]["peak"] <= usable:
+            if p == "shared_backbone":
+                saved = ev["shared_backbone"]["peak"] - ev["resident"]["peak"]
+                return p, (f"student and teacher are the same base: one copy of the weights "
+                           f"({-saved / GIB:.2f} GiB less than resident)")
+            if p == "resident":
+                return p, f"both roles fit on the device (peak {g(p):.2f} of {usable / GIB:.2f} GiB usable): nothing moves"
+            return p, (f"resident needs {g('resident'):.2f} GiB > {usable / GIB:.2f} usable; swap keeps one role on the "
+                       f"device at a time (peak {g(p):.2f} GiB)")
+    best = min(ok, key=g)
+    return best, f"nothing fits {usable / GIB:.2f} GiB usable; {best} needs the least ({g(best):.2f} GiB)"
+
+
+# ---- the plan ----
+
+def _target(cfg) -> tuple[str, str, int]:
+    """(device type, dtype name, bytes per element) the run will use. Planning for CUDA needs no GPU."""
+    dev = cfg.runtime.device
+    if dev == "auto":
+        import torch
+
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = cfg.runtime.dtype if cfg.runtime.dtype != "auto" else ("bfloat16" if dev == "cuda" else "float32")
+    return dev, {"bfloat16": "bf16", "float32": "fp32"}[dtype], {"bfloat16": 2, "float32": 4}[dtype]
+
+
+def _budget(cfg, device: str) -> tuple[int, str]:
+    if cfg.memory.vram_gib is not None:
+        return int(cfg.memory.vram_gib * GIB), "memory.vram_gib"
+    from .memory import device_total
+
+    return device_total(device)
+
+
+def _ctx(cfg, shapes: dict) -> Ctx:
+    dev, dtype, s = _target(cfg)
+    key = lambda m: (m.name, m.revision, m.keep_layers)  # noqa: E731  what a shape depends on
+    for role in ("student", "teacher"):
+        m = getattr(cfg, role)
+        if key(m) not in shapes:
+            shapes[key(m)] = shape_of(m, role)
+    return Ctx(cfg, dev, dtype, s, shapes[key(cfg.student)], shapes[key(cfg.teacher)])
+
+
+def _set(cfg, dotted: str, value):
+    obj = cfg
+    *path, last = dotted.split(".")
+    for part in path:
+        obj = getattr(obj, part)
+    setattr(obj, last, value)
+
+
+def _variants(cfg):
+    """Groups of single changes that lower the peak, most specific first: (label, [(key, value)])."""
+    if cfg.memory.placement != "auto":
+        yield "placement", [[("memory.placement", p)] for p in PLACEMENTS if p != cfg.memory.placement]
+    chunks, c = [], cfg.train.chunk // 2
+    while c >= max(1, cfg.memory.chunk_floor):
+        chunks.append([("train.chunk", c)])
+        c //= 2
+    yield "chunk", chunks
+    q = []
+    if cfg.student.quant == "none":
+        q.append([("student.quant", "nf4")])
+    if cfg.teacher.quant == "none":
+        q.append([("teacher.quant", "nf4")])
+    if len(q) == 2:
+        q.append(q[0] + q[1])
+    yield "quant", q
+    bs, b = [], cfg.rollout.batch_size // 2
+    while b >= 1:
+        bs.append([("rollout.batch_size", b)])
+        b //= 2
+    yield "batch", bs
+
+
+def _best_peak(cfg, shapes: dict, usable: float) -> tuple[float, str]:
+    ev = _evaluate(_ctx(cfg, shapes))
+    if cfg.memory.placement != "auto":
+        if "refused" in ev[cfg.memory.placement]:
+            return math.inf, cfg.memory.placement
+        return ev[cfg.memory.placement]["peak"], cfg.memory.placement
+    p, _ = _choose(cfg, ev, usable)
+    return ev[p]["peak"], p
+
+
+def suggestions(cfg, shapes: dict, usable: float) -> list[dict]:
+    """Settings that would make an infeasible plan fit: from each group, the mildest change that fits."""
+    out = []
+    for _, group in _variants(cfg):
+        for changes in group:
+            v = copy.deepcopy(cfg)
+            for k, val in changes:
+                _set(v, k, val)
+            peak, placement = _best_peak(v, shapes, usable)
+            if peak <= usable:
+                out.append({"set": dict(changes), "peak_gib": round(peak / GIB, 4), "placement": placement})
+                break
+    return out
+
+
+def _gib(b: float) -> float:
+    return round(b / GIB, 4)
+
+
+def estimate(cfg, shapes: dict | None = None) -> dict:
+    """The whole plan as a JSON-able dict (what `opd plan --out` writes); loads no weights."""
+    shapes = {} if shapes is None else shapes
+    x = _ctx(cfg, shapes)
+    budget, source = _budget(cfg, x.device)
+    if budget <= 0:
+        raise UserError(f"key 'memory.vram_gib' = {cfg.memory.vram_gib}; expected a positive number of GiB")
+    usable = budget * (1 - cfg.memory.margin)
+    ev = _evaluate(x)
+    chosen, why = _choose(cfg, ev, usable)
+    sel = ev[chosen]
+    models_out = {}
+    for role, sh in (("student", x.S), ("teacher", x.T)):
+        m = getattr(cfg, role)
+        models_out[role] = {"source": sh.source, "model_type": sh.model_type, "layers": sh.layers,
+                            "hidden": sh.hidden, "intermediate": sh.inter, "heads": sh.heads,
+                            "kv_heads": sh.kv_heads, "head_dim": sh.head_dim, "vocab": sh.vocab,
+                            "tied_embeddings": sh.tied, "params": sh.params(), "quant": m.quant,
+                            "weights_gib": _gib(weight_bytes(sh, m.quant, getattr(m, "double_quant", False), x.s))}
+    models_out["student"]["lora_params"] = lora_params(x.S, cfg.lora)
+    models_out["student"]["rollout_engine"] = "fast (merged LoRA)" if x.engine else "transformers fallback"
+    placements = {}
+    for p, r in ev.items():
+        if "refused" in r:
+            placements[p] = {"refused": r["refused"]}
+            continue
+        placements[p] = {
+            "peak_gib": _gib(r["peak"]), "peak_phase": r["peak_phase"], "feasible": r["peak"] <= usable,
+            "phases": {ph: {"total_gib": _gib(r["totals"][ph]),
+                            "items": [{"role": ro, "component": what, "gib": _gib(b)} for ro, what, b in items]}
+                       for ph, items in r["phases"].items()}}
+    notes = ["steady state (step >= 2): step 1 has no LoRA grads, Adam moments or (rollout) teacher yet",
+             "evaluate is not planned: it holds both roles' weights (no gradients, no optimizer)"]
+    if cfg.memory.placement == "swap" and x.device == "cpu":
+        notes.append("on CPU the device is host memory: swap moves nothing")
+    if getattr(getattr(cfg, "env", None), "name", None):
+        notes.append(f"env rollouts: response = max_turns x (max_tokens_per_turn + {ENV_TOOL_TOKENS} assumed tool tokens)")
+    if x.device == "cuda":
+        notes.append("CUDA context and allocator fragmentation are outside these figures: memory.margin covers them")
+    out = {
+        "device": x.device, "dtype": x.dtype, "budget_gib": _gib(budget), "budget_source": source,
+        "margin": cfg.memory.margin, "usable_gib": _gib(usable), "models": models_out, "workload": workload(x),
+        "placement": {"requested": cfg.memory.placement, "chosen": chosen, "why": why},
+        "placements": placements, "phases": placements[chosen]["phases"],
+        "peak_gib": _gib(sel["peak"]), "peak_phase": sel["peak_phase"], "headroom_gib": _gib(usable - sel["peak"]),
+        "feasible": sel["peak"] <= usable, "suggestions": [], "notes": notes,
+    }
+    if not out["feasible"]:
+        out["suggestions"] = suggestions(cfg, shapes, usable)
+    return out
+
+
+def decide(cfg) -> tuple[str, str]:
+    """(placement, why) for a run, before any weights load: a refused placement is an error; an
+    infeasible plan is a warning (the estimate is an estimate; OOM retries and swap still apply)."""
+    if cfg.memory.placement != "auto":
+        check_placement(cfg, cfg.memory.placement)
+    try:
+        est = estimate(cfg)
+    except UserError as e:  # shapes unreadable (an unusual architecture): the plan cannot decide
+        if cfg.memory.placement != "auto":
+            return cfg.memory.placement, "requested"
+        print(f"warning: no memory plan ({e}); placement resident", file=sys.stderr)
+        return "resident", "no plan"
+    if not est["feasible"]:
+        print(f"warning: {infeasible_message(est)}", file=sys.stderr)
+    return est["placement"]["chosen"], est["placement"]["why"]
+
+
+def infeasible_message(est: dict) -> str:
+    fix = "; ".join(f"{' '.join(f'{k}={v}' for k, v in s['set'].items())} ({s['peak_gib']:.2f} GiB, "
+                    f"{s['placement']})" for s in est["suggestions"])
+    return (f"plan infeasible: peak {est['peak_gib']:.2f} GiB ({est['peak_phase']}, placement "
+            f"{est['placement']['chosen']}) > {est['usable_gib']:.2f} GiB usable of {est['budget_gib']:.2f} GiB "
+            f"({est['budget_source']}, memory.margin {est['margin']}); "
+            + (f"fits with: {fix}" if fix else "no single change tried fits (chunk, nf4, swap, batch size); "
+               "use a smaller pair or a larger device"))
+
+
+# ---- output ----
+
+def render(est: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=120)
+    probe = est.get("probe", {}).get("phases", {})
+    t = Table(title=f"opd plan: {est['device']} {est['dtype']}, placement {est['placement']['chosen']}")
+    for col, j in (("phase", "left"), ("role", "left"), ("component", "left"), ("GiB", "right")):
+        t.add_column(col, justify=j)
+    if probe:
+        t.add_column("measured GiB", justify="right")
+    for ph, d in est["phases"].items():
+        for i, it in enumerate(d["items"]):
+            t.add_row(ph if i == 0 else "", it["role"], it["component"], f"{it['gib']:.4f}", *([""] if probe else []))
+        meas = probe.get(ph, {}).get("peak_allocated_gib")
+        t.add_row("", "", f"[bold]{ph} total[/]", f"[bold]{d['total_gib']:.4f}[/]",
+                  *([f"{meas:.4f}" if meas is not None else "-"] if probe else []), end_section=True)
+    console.print(t)
+    for p, r in est["placements"].items():
+        console.print(f"  {p:16s} " + (f"refused: {r['refused']}" if "refused" in r else
+                                        f"peak {r['peak_gib']:.3f} GiB ({r['peak_phase']})"
+                                        + ("" if r["feasible"] else "  [red]does not fit[/]")))
+    console.print(f"placement: [bold]{est['placement']['chosen']}[/] - {est['placement']['why']}")
+    console.print(f"budget {est['budget_gib']:.2f} GiB ({est['budget_source']}), usable {est['usable_gib']:.2f} "
+                  f"(margin {est['margin']}), peak {est['peak_gib']:.3f} GiB ({est['peak_phase']}), "
+                  f"headroom {est['headroom_gib']:.3f} GiB")
+    for n in est["notes"]:
+        console.print(f"  note: {n}", style="dim")
+
+
+def main(args) -> dict:
+    """`opd plan [overrides] [--params FILE] [--out plan.json] [--probe]`."""
+    from .cli import _config
+
+    cfg = _config(args)
+    est = estimate(cfg)
+    if est["feasible"] and (getattr(args, "probe", False) or cfg.memory.probe):
+        from . import probe
+
+        est["probe"] = probe.run(cfg, est)
+    render(est)
+    if getattr(args, "out", None):
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(est, indent=2, sort_keys=True) + "\n")
+        print(f"wrote {out}")
+    if not est["feasible"]:
+        raise UserError(infeasible_message(est))
+    return est

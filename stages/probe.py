@@ -1,0 +1,108 @@
+"""`opd plan --probe`: a bounded CUDA calibration of the plan. Loads the models as the chosen
+placement does and measures, with the same `phase()` records the pipeline writes: one rollout batch
+(every prompt at data.max_prompt_tokens, every response forced to its full length), one score chunk,
+one update forward+backward, and the engine refresh. Zero optimizer updates: nothing is published
+but the measurement, cached in the store by an identity digest of shapes, settings and versions.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from .errors import UserError
+from .store import Store, digest, write_json
+
+VERSION = 1
+
+
+def identity(cfg, est: dict) -> dict:
+    from . import models, objectives
+
+    return {"models": est["models"], "workload": est["workload"], "placement": est["placement"]["chosen"],
+            "lora": {"r": cfg.lora.r, "target_modules": sorted(cfg.lora.target_modules)},
+            "objective": {"needs": sorted(objectives.needs(cfg.objective)), "topk": cfg.objective.topk},
+            "dtype": est["dtype"], "vram_gib": cfg.memory.vram_gib, "env": models.env_versions()}
+
+
+def run(cfg, est: dict) -> dict:
+    """Measured peaks per phase (cached); the plan puts them beside its estimates."""
+    if not torch.cuda.is_available() or est["device"] != "cuda":
+        raise UserError("--probe measures on CUDA and this run's device is not a CUDA device here; "
+                        "the table above is the weight-free estimate")
+    dig = digest("probe", VERSION, identity(cfg, est), {})
+    d, computed = Store(cfg.artifacts).ensure("probe", dig, lambda tmp: write_json(tmp / "probe.json",
+                                                                                  measure(cfg, est)))
+    out = json.loads((d / "probe.json").read_text())
+    out.update(digest=dig, cached=not computed)
+    for ph, rec in out["phases"].items():
+        if ph in est["phases"]:
+            est["phases"][ph]["measured_gib"] = rec["peak_allocated_gib"]
+            rec["estimate_gib"] = est["phases"][ph]["total_gib"]
+            rec["ratio"] = round(rec["peak_allocated_gib"] / max(rec["estimate_gib"], 1e-9), 4)
+    return out
+
+
+def measure(cfg, est: dict) -> dict:
+    from . import lmhead, update
+    from .rollout import sample
+    from .session import Session, phase
+
+    sess = Session(cfg)
+    sess._placement = est["placement"]["chosen"]
+    w = est["workload"]
+    B, P, N, V, k = w["sequences"], w["prompt_tokens"], w["new_tokens"], w["vocab"], cfg.objective.topk
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, V, (B, P), generator=g).tolist()  # the worst case: every prompt at the limit
+    phases: dict[str, dict] = {}
+
+    # steady state before the phases: both roles loaded as placed, the LoRA grads an update leaves
+    sess.activate("teacher")
+    sess.teacher()
+    sess.activate("student")
+    student = sess.student()
+    lora = [q for _, q in student.named_parameters() if q.requires_grad]
+    for q in lora:
+        q.grad = torch.zeros_like(q)
+    if sess.placement != "swap":
+        sess.engine()  # resident: built once at step 1 (under swap each rollout rebuilds it, in-phase)
+
+    phases["rollout"] = {}
+    with phase(sess.device, phases["rollout"]):
+        ro = sample(sess, student, prompts, N, seed=0, min_new=N)
+    responses = [ro.tokens[b, :int(ro.lengths[b])].tolist() for b in range(B)]
+    p = lmhead.pack(prompts, responses, [[1] * len(r) for r in responses], pad=0, device=sess.device)
+    n = p.targets.numel()
+
+    sess.activate("teacher")
+    teacher = sess.teacher()
+    phases["score"] = {}
+    with phase(sess.device, phases["score"]), torch.no_grad():
+        h = lmhead.hidden(teacher, p)  # [n, H]
+        c = slice(0, min(cfg.train.chunk, n))  # one score chunk
+        lmhead.score_positions(h[c], lmhead.head_weight(teacher), p.targets[c], cfg.train.chunk, k,
+                               cfg.rollout.temperature)
+        del h
+
+    sess.activate("student")
+    moments = [torch.zeros_like(q) for q in lora for _ in range(2)]  # AdamW state as a later step loads it
+    sc = {"teacher_logprobs": np.full(n, -3.0, np.float32),
+          "topk_ids": torch.randint(0, V, (n, k), generator=g).numpy(),
+          "topk_logprobs": np.full((n, k), -5.0, np.float32)}
+    adv = torch.zeros(n, device=sess.device)
+    student.train()
+    phases["update"] = {}
+    with phase(sess.device, phases["update"]):
+        update.loss_and_backward(sess, student, p, torch.zeros(n, device=sess.device), sc, adv,
+                                 chunk=cfg.train.chunk)  # forward + backward; no optimizer step
+    student.eval()
+    if sess._engine:
+        phases["refresh"] = {}
+        with phase(sess.device, phases["refresh"]):
+            sess._engine.refresh()
+    for q in lora:
+        q.grad = None
+    del moments
+    return {"device": torch.cuda.get_device_name(), "phases": phases, "optimizer_updates": 0,
+            "tokens": {"prompt": P, "new": N, "sequences": B, "positions": n}}

@@ -1,0 +1,177 @@
+"""Model shapes without weights: the numbers `opd plan` needs (hidden size, layers, heads, vocab,
+tied embeddings) from a model's config file only: conf/arch/NAME.json, a Hugging Face directory's
+config.json (local dir or the local hub cache), or the embedded model's GGUF header.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import models
+from .errors import UserError
+
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# ---- model shapes, weight-free ----
+
+@dataclass(frozen=True)
+class Shape:
+    source: str
+    model_type: str
+    vocab: int
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    qk_norm: bool
+    attn_bias: bool
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def proj(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each decoder-layer projection."""
+        H, I = self.hidden, self.inter
+        return {"q_proj": (H, self.q_dim), "k_proj": (H, self.kv_dim), "v_proj": (H, self.kv_dim),
+                "o_proj": (self.q_dim, H), "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+
+    def linear_params(self) -> int:  # per layer
+        return sum(i * o for i, o in self.proj().values())
+
+    def other_params(self) -> int:
+        """Embedding, untied head, norms, q/k norms, attention biases: never quantized."""
+        L, H = self.layers, self.hidden
+        n = self.vocab * H * (1 if self.tied else 2) + L * 2 * H + H
+        n += L * 2 * self.head_dim if self.qk_norm else 0
+        n += L * (self.q_dim + 2 * self.kv_dim) if self.attn_bias else 0
+        return n
+
+    def params(self) -> int:
+        return self.layers * self.linear_params() + self.other_params()
+
+
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+class _GGUF:
+    """Just enough of a GGUF v2/v3 reader for the header: key/values and tensor names. (The gguf
+    package's reader also parses every token string into numpy: seconds; this walks them.)"""
+
+    def __init__(self, buf):
+        self.b, self.o = buf, 0
+
+    def num(self, fmt: str):
+        v = struct.unpack_from("<" + fmt, self.b, self.o)[0]
+        self.o += struct.calcsize("<" + fmt)
+        return v
+
+    def string(self) -> str:
+        n = self.num("Q")
+        self.o += n
+        return bytes(self.b[self.o - n:self.o]).decode("utf-8", "replace")
+
+    def value(self, t: int):
+        if t in _SCALAR:
+            return self.num(_SCALAR[t])
+        if t == 8:
+            return self.string()
+        et, n = self.num("I"), self.num("Q")  # array: only its length is needed
+        if et in _SCALAR:
+            size = struct.calcsize("<" + _SCALAR[et])
+            self.o += n * size
+        else:
+            for _ in range(n):
+                self.value(et)
+        return ("array", n)
+
+
+@functools.lru_cache(maxsize=8)
+def gguf_config(path: Path) -> dict:
+    """A config.json-like dict from a GGUF file's header (no tensor data read)."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            r = _GGUF(m)
+            if bytes(m[:4]) != b"GGUF":
+                raise UserError(f"{path}: not a GGUF file")
+            r.o = 4
+            if r.num("I") < 2:
+                raise UserError(f"{path}: GGUF version 1 is not supported")
+            n_tensors, n_kv = r.num("Q"), r.num("Q")
+            kv = {}
+            for _ in range(n_kv):
+                key = r.string()
+                kv[key] = r.value(r.num("I"))
+            names = set()
+            for _ in range(n_tensors):
+                names.add(r.string())
+                nd = r.num("I")
+                r.o += 8 * nd + 4 + 8  # dims, type, offset
+    except (OSError, struct.error) as e:
+        raise UserError(f"{path}: unreadable GGUF header ({e})") from None
+    arch = kv.get("general.architecture", "llama")
+    g = lambda k, d=None: kv.get(f"{arch}.{k}", d)  # noqa: E731
+    heads = g("attention.head_count")
+    toks = kv.get("tokenizer.ggml.tokens")
+    conf = {"model_type": arch, "vocab_size": g("vocab_size") or (toks[1] if toks else None),
+            "hidden_size": g("embedding_length"), "intermediate_size": g("feed_forward_length"),
+            "num_hidden_layers": g("block_count"), "num_attention_heads": heads,
+            "num_key_value_heads": g("attention.head_count_kv", heads),
+            "tie_word_embeddings": "output.weight" not in names}
+    if g("attention.key_length"):
+        conf["head_dim"] = g("attention.key_length")
+    return conf
+
+
+def model_config(mcfg, role: str) -> tuple[dict, str]:
+    """(config dict, where it came from) for a model name; reads no weights."""
+    name = mcfg.name
+    if name.startswith("arch:"):
+        return models.arch_config(name[5:]), f"conf/arch/{name[5:]}.json"
+    if name == "embedded":
+        p = models.gguf_path()
+        return gguf_config(p), f"{p.name} (GGUF header)"
+    p = Path(name)
+    if not p.is_dir():
+        p = models._hf_local_dir(name, mcfg.revision)
+    f = p / "config.json"
+    if not f.is_file():
+        raise UserError(f"model '{name}': {f} not found; expected a Hugging Face model directory")
+    try:
+        return json.loads(f.read_text()), str(f)
+    except ValueError as e:
+        raise UserError(f"{f}: not valid JSON ({e})") from None
+
+
+def shape_of(mcfg, role: str) -> Shape:
+    conf, source = model_config(mcfg, role)
+    if "hidden_size" not in conf and isinstance(conf.get("text_config"), dict):
+        conf = conf["text_config"]  # a multimodal wrapper: the language model's shapes
+    need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    for k in need:
+        if not isinstance(conf.get(k), int) or conf[k] <= 0:
+            raise UserError(f"{source}: key '{k}' = {conf.get(k)!r}; expected a positive integer "
+                            f"(a decoder config with {', '.join(need)})")
+    layers, heads = conf["num_hidden_layers"], conf["num_attention_heads"]
+    if mcfg.keep_layers:
+        if mcfg.keep_layers > layers:
+            raise UserError(f"key '{role}.keep_layers' = {mcfg.keep_layers}; the model has only {layers} layers")
+        layers = mcfg.keep_layers  # prune_layers keeps that many, evenly spaced (distinct)
+    mtype = conf.get("model_type", "?")
+    return Shape(source=source, model_type=mtype, vocab=conf["vocab_size"], hidden=conf["hidden_size"],
+                 inter=conf["intermediate_size"], layers=layers, heads=heads,
+                 kv_heads=conf.get("num_key_value_heads") or heads,
+                 head_dim=conf.get("head_dim") or conf["hidden_size"] // heads,
+                 tied=bool(conf.get("tie_word_embeddings", False)), qk_norm=mtype.startswith("qwen3"),
+                 attn_bias=bool(conf.get("attention_bias", mtype == "qwen2")))

@@ -1,0 +1,193 @@
+"""The verl-facing commands, registered on `opd`'s parser by stages/cli.py:
+
+    opd plan --profile NAME --config FILE|builtin:PAIR [--set k=v ...] [--accept FIELD|all ...]
+             [--out plan.json] [overrides]
+    opd run --plan plan.json [--dry-run]            (the run subcommand's options; see plan_session)
+    opd profiles list | show NAME
+    opd compat explain FIELD | table [--out docs/compat.md]
+    opd export [--verl OUT] [--out DIR] [overrides]
+    opd data sample --format verl-parquet --out FILE [--rows N] [overrides]
+
+`opd plan` without --profile is the weight-free memory plan of issue 5 (stages/plan.py); with
+--profile it maps the verl config first, then plans memory when that planner exists.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..errors import UserError
+
+
+def _conf_dir():
+    return Path.cwd() / "conf" if (Path.cwd() / "conf" / "config.yaml").exists() else None
+
+
+def cmd_plan(args) -> None:
+    if args.profile is None:
+        if args.config or args.set or args.accept:
+            raise UserError("opd plan: --config, --set and --accept need --profile NAME")
+        memory_plan_cli(args)
+        return
+    if not args.config:
+        raise UserError("opd plan --profile: --config FILE|builtin:PAIR is required")
+    from . import planfile
+
+    plan = planfile.make(args.profile, args.config, args.set or [], args.accept or [], args.overrides or [],
+                         _conf_dir())
+    out = planfile.write(plan, Path(args.out or "plan.json"))
+    c = plan["mapping"]["counts"]
+    mem = plan["memory"]
+    if mem is not None:
+        from .. import plan as memory_planner
+
+        memory_planner.render(mem)
+    print(f"plan: {out} (profile {args.profile}; {c['exact']} exact, {c['reinterpreted']} reinterpreted, "
+          f"{c['ignored-informational']} informational fields; memory: {plan['memory_status']})")
+    if mem is not None and not mem.get("feasible", True):
+        raise UserError(memory_planner.infeasible_message(mem))
+
+
+def memory_plan_cli(args) -> None:
+    """HOOK for issue 5: `opd plan [overrides] [--out plan.json]` is the memory planner's command."""
+    try:
+        from .. import plan as memory_planner
+    except ImportError:
+        raise UserError("opd plan without --profile is the memory planner (stages/plan.py), which is not "
+                        "available in this build; use --profile NAME --config ...") from None
+    memory_planner.main(args)
+
+
+def plan_session(args):
+    """`opd run --plan`: the Session of a verified plan; None for --dry-run (after printing it)."""
+    from ..session import Session
+    from . import planfile
+
+    if args.plan is None:
+        raise UserError("opd run --dry-run needs --plan plan.json")
+    if args.overrides or args.params:
+        raise UserError("opd run --plan: the plan fixes the config; give no overrides or --params "
+                        "(plan again with them instead)")
+    plan, cfg = planfile.load(args.plan, _conf_dir())
+    if args.dry_run:
+        c = plan["mapping"]["counts"]
+        print(f"plan {args.plan}: profile {plan['profile']}, config {plan['config']}, digest {plan['digest'][:16]}")
+        print(f"  verl fields: {c['exact']} exact, {c['reinterpreted']} reinterpreted, "
+              f"{c['ignored-informational']} informational")
+        print(f"  student {cfg.student.name}, teacher {cfg.teacher.name}, objective {cfg.objective.name}, "
+              f"{cfg.train.updates} updates x {cfg.rollout.batch_size} prompts x {cfg.rollout.n} samples")
+        print(f"  memory: {plan['memory_status']}")
+        print(f"  would run: prepare, train, evaluate, export (run '{cfg.run}', artifacts '{cfg.artifacts}'); "
+              "nothing was run")
+        return None
+    return Session(cfg)
+
+
+def cmd_profiles(args) -> None:
+    from . import compat
+
+    if args.action == "list":
+        print(compat.profiles_list())
+    else:
+        if not args.name:
+            raise UserError("opd profiles show NAME: a profile name is required")
+        print(compat.profile_show(args.name), end="")
+
+
+def cmd_compat(args) -> None:
+    from . import compat
+
+    if args.action == "explain":
+        if not args.field:
+            raise UserError("opd compat explain FIELD: a field is required")
+        print(compat.explain(args.field))
+    else:
+        text = compat.table_markdown()
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(text)
+            print(f"wrote {args.out}")
+        else:
+            sys.stdout.write(text)
+
+
+def cmd_export(args) -> None:
+    from .. import export
+    from ..cli import _session
+
+    if args.plan is not None:  # the config of a verified plan (as `opd run --plan` ran it)
+        from ..session import Session
+        from . import planfile
+
+        if args.overrides or args.params:
+            raise UserError("opd export --plan: the plan fixes the config; give no overrides or --params")
+        sess = Session(planfile.load(args.plan, _conf_dir())[1])
+    else:
+        sess = _session(args)
+    if args.verl is not None:
+        from . import bundle
+
+        bundle.main(sess, args.verl)
+    else:
+        export.main(sess, args.out)
+
+
+def cmd_data(args) -> None:
+    from ..cli import _config
+    from . import data
+
+    if args.format != "verl-parquet":
+        raise UserError(f"--format {args.format!r}: expected verl-parquet")
+    out = data.sample(_config(args), args.rows, Path(args.out))
+    print(f"wrote {out} ({args.rows} rows, verl schema)")
+
+
+def _plan_arguments(p) -> None:
+    have = set(p._option_string_actions)
+    for flag, kw in (("--profile", dict(help="a verl OPD profile (opd profiles list)")),
+                     ("--config", dict(help="a verl-shaped YAML file, or builtin:PAIR (conf/pair/)")),
+                     ("--set", dict(action="append", metavar="KEY=VALUE", help="a verl field to set (repeatable)")),
+                     ("--accept", dict(action="append", metavar="FIELD", help="accept a reinterpreted verl field "
+                                       "from the config file or --set ('all': every one)")),
+                     ("--out", dict(help="the plan file (default plan.json)")),
+                     ("--params", dict(help="memory plan: a composed params file instead of conf/ + overrides")),
+                     ("--probe", dict(action="store_true", help="memory plan: measure peaks on CUDA too"))):
+        if flag not in have:
+            p.add_argument(flag, **kw)
+
+
+def add_commands(sub, with_cfg) -> None:
+    """Register plan, profiles, compat, export and data on `opd`'s subparsers."""
+    names = set(sub.choices)
+    if "plan" in names:  # the memory planner registered `opd plan` first: extend its parser
+        p = sub.choices["plan"]
+        memory_fn = p.get_default("fn")
+        _plan_arguments(p)
+        p.set_defaults(fn=lambda a: cmd_plan(a) if getattr(a, "profile", None) else memory_fn(a))
+    else:
+        p = sub.add_parser("plan", help="plan a run: map a verl profile config (--profile) and/or plan memory")
+        _plan_arguments(p)
+        p.add_argument("overrides", nargs="*", help="our Hydra overrides, applied after the mapped ones")
+        p.set_defaults(fn=cmd_plan)
+    p = sub.add_parser("profiles", help="list the verl OPD profiles or show one")
+    p.add_argument("action", choices=("list", "show"))
+    p.add_argument("name", nargs="?")
+    p.set_defaults(fn=cmd_profiles)
+    p = sub.add_parser("compat", help="explain how a verl field maps here, or print the compatibility table")
+    p.add_argument("action", choices=("explain", "table"))
+    p.add_argument("field", nargs="?")
+    p.add_argument("--out", help="table: write to this file (docs/compat.md)")
+    p.set_defaults(fn=cmd_compat)
+    if "export" not in names:
+        p = with_cfg(sub.add_parser("export", help="export the trained adapter (PEFT), or a verl bundle (--verl)"))
+        p.add_argument("--verl", type=Path, metavar="OUT", help="write a verl 0.8 bundle to OUT instead")
+        p.add_argument("--out", type=Path, help="PEFT export dir (default artifacts/export/RUN)")
+        p.add_argument("--plan", type=Path, help="use the config of a plan.json (as `opd run --plan`)")
+        p.set_defaults(fn=cmd_export)
+    p = sub.add_parser("data", help="data utilities")
+    dsub = p.add_subparsers(dest="data_action", required=True)
+    p = with_cfg(dsub.add_parser("sample", help="write a verl-schema prompt Parquet from the prompt generator"))
+    p.add_argument("--format", default="verl-parquet", help="verl-parquet (the only format)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--rows", type=int, default=16)
+    p.set_defaults(fn=cmd_data)

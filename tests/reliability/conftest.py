@@ -1,0 +1,98 @@
+"""Fixtures of the reliability suite: one fork server and ONE reference run per session; every
+test starts from a hard-linked copy of (part of) the reference artifacts, never from scratch."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import ROOT, TINY, Proc, Server  # noqa: E402
+import tracer  # noqa: E402
+
+
+class Work:
+    """A working dir (conf/ + artifacts/) and the `opd` processes run in it, all read-traced."""
+
+    conf = ROOT / "conf"  # replaced by the session's snapshot of conf/ (see `server`)
+
+    def __init__(self, server: Server, path: Path):
+        self.server, self.dir = server, path
+        self.trace = path / ".trace"
+        self.trace.mkdir(parents=True, exist_ok=True)
+        if not (path / "conf").exists():
+            (path / "conf").symlink_to(self.conf)
+
+    @property
+    def artifacts(self) -> Path:
+        return self.dir / "artifacts"
+
+    def _env(self, env):
+        return {"OPD_TEST_TRACE": str(self.trace), "OPD_FAULT": None, **(env or {})}
+
+    def opd(self, *argv: str, env: dict | None = None) -> Proc:
+        return self.server.run(*argv, cwd=self.dir, env=self._env(env))
+
+    def run(self, *overrides: str, env: dict | None = None) -> Proc:
+        """`opd run` on the tiny models (+ overrides)."""
+        return self.opd("run", *TINY, *overrides, env=env)
+
+    def start(self, *overrides: str, env: dict | None = None) -> int:
+        return self.server.start("run", *TINY, *overrides, cwd=self.dir, env=self._env(env))
+
+    def bad_reads(self) -> list[str]:
+        return tracer.violations(tracer.read_records(self.trace))
+
+    def computed(self) -> list[str]:
+        return [f"{r['stage']}/{r['entry']}" for r in tracer.read_records(self.trace) if r["op"] == "computed"]
+
+
+def link_copy(src: Path, dst: Path, parts=None) -> None:
+    """Copy an artifacts dir by hard links (published files are immutable; tests that damage a file
+    replace it instead of writing into it). `parts`: only these store/<stage> dirs."""
+    if parts is None:
+        shutil.copytree(src, dst, symlinks=True, copy_function=os.link)
+        return
+    for part in parts:
+        shutil.copytree(src / "store" / part, dst / "store" / part, symlinks=True, copy_function=os.link)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    # conf/ is snapshotted when the server imports stages/, so config schema and tree always match
+    Work.conf = tmp_path_factory.mktemp("conf") / "conf"
+    shutil.copytree(ROOT / "conf", Work.conf)
+    s = Server(tmp_path_factory.mktemp("procs"))
+    yield s
+    s.close()
+    print(f"\nreliability: {s.n} opd processes, {s.cpu_s:.0f} CPU s", file=sys.stderr)
+
+
+@pytest.fixture(scope="session")
+def reference(server, tmp_path_factory) -> Work:
+    """The one uninterrupted run every byte-identity assertion compares against."""
+    w = Work(server, tmp_path_factory.mktemp("reference"))
+    r = w.run()
+    assert r.rc == 0, r
+    assert w.bad_reads() == []
+    return w
+
+
+@pytest.fixture
+def fresh(server, reference, tmp_path) -> Work:
+    """Only the materialised models and tokenizer of the reference (what `prepare` converts once)."""
+    w = Work(server, tmp_path / "w")
+    link_copy(reference.artifacts, w.artifacts, ["tokenizer", "model"])
+    return w
+
+
+@pytest.fixture
+def done(server, reference, tmp_path) -> Work:
+    """A copy of the whole reference run (store, run view, export)."""
+    w = Work(server, tmp_path / "w")
+    link_copy(reference.artifacts, w.artifacts)
+    return w

@@ -1,0 +1,96 @@
+"""SFT on verified oracle traces: trace verification, token layout against the chat template,
+NLL goes down, the cold start becomes policy 0, and the protocol_sft teacher carries its adapter."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import session
+from stages import envs, sft, tooluse, train
+from stages.envs import protocol
+from stages.rollout import tokenizer
+
+TOOL = ["env.name=calculator", "env.split=hard", "env.num_train=8", "env.num_test=2", "env.max_turns=3",
+        "env.max_tokens_per_turn=8"]
+
+
+@pytest.mark.parametrize("name", sorted(envs.REGISTRY))
+def test_oracle_traces_verify_and_tampered_ones_do_not(name):
+    env = envs.get(name)
+    for task in env.generate(env.SPLITS[-1], 5, 3, "train"):
+        turns = env.oracle_trace(task)
+        assert sft.verified(env, task, turns)
+        wrong = copy.deepcopy(turns)
+        wrong[-1]["content"] = "<final>definitely not it</final>"
+        assert not sft.verified(env, task, wrong)
+        forged = copy.deepcopy(turns)
+        forged[1]["content"] = protocol.format_result({"result": 123456789})
+        assert not sft.verified(env, task, forged)
+
+
+def test_trace_tokens_follow_the_chat_template(work):
+    sess = session(work, *TOOL)
+    tok, env = tokenizer(sess), envs.get("calculator")
+    task = tooluse.load_tasks(sess, "train")[0]
+    turns = env.oracle_trace(task)
+    prompt = tooluse.initial_ids(tok, env, task)
+    resp, mask = tooluse.trace_ids(tok, tooluse.glue(tok), turns)
+    want = tok.apply_chat_template(protocol.initial_messages(env, task) + turns, tokenize=False)
+    assert tok.decode(prompt + resp) == want.rstrip("\n")
+    model_text = tok.decode([t for t, m in zip(resp, mask) if m])
+    assert model_text.count(tok.eos_token) == 3 and "<tool_result>" not in model_text  # 3 assistant turns, each stops
+
+
+def test_sft_lowers_nll_on_oracle_traces(work):
+    sess = session(work, *TOOL, "sft.steps=6", "sft.lr=0.01")
+    trs, rejected = sft.traces(sess)
+    assert len(trs) == 8 and rejected == 0
+    p = sft.pack(sess, trs)
+    from stages import update
+
+    update.init(sess)
+    before = sft.nll(sess.use_adapter("init", sess.init_digest()), p, 64)
+    d = sft.cold_start(sess)
+    after = sft.nll(sess.use_policy(0), p, 64)
+    assert after < before - 0.5, (before, after)
+    st = update.state(d)
+    assert st["traces"] == 8 and len(st["losses"]) == 6 and st["losses"][-1] < st["losses"][0]
+
+
+def test_cold_start_is_policy_0_and_is_reused(work):
+    sess = session(work, *TOOL, "sft.steps=2", "train.updates=1")
+    assert sess.policy_digest(0) == sft.cold_start_digest(sess) and sess.policy_dir(0).parent.name == "sft"
+    train.run(sess)
+    assert (sess.step_dir(0) / "adapter").resolve() == (sess.policy_dir(0) / "adapter").resolve()
+    store = work / "artifacts" / "store"
+    before = {p for p in store.glob("*/*")}
+    again = session(work, *TOOL, "sft.steps=2", "train.updates=1")
+    train.run(again)
+    assert {p for p in store.glob("*/*")} == before  # nothing recomputed
+    # another seed: a different cold start, and the whole chain after it differs
+    other = session(work, *TOOL, "sft.steps=2", "train.updates=1", "sft.seed=1")
+    assert other.policy_digest(0) != sess.policy_digest(0) and other.rollout_digest(1) != sess.rollout_digest(1)
+    # continued SFT carries on from the cold start
+    stage, dig = sft.continued(sess, 2)
+    assert stage == "sft" and dig != sess.policy_digest(0)
+    assert update_state(sess, dig)["start"] == 2
+
+
+def update_state(sess, dig):
+    from stages import update
+
+    return update.state(sess.store.path("sft", dig))
+
+
+def test_protocol_sft_teacher_is_base_plus_adapter(work):
+    raw = session(work, *TOOL)
+    psft = session(work, *TOOL, "teacher_mode=protocol_sft", "sft.teacher_steps=2", "sft.lr=0.01")
+    assert "teacher_adapter" in psft.teacher_inputs() and "teacher_adapter" not in raw.teacher_inputs()
+    ids = torch.tensor([tooluse.initial_ids(tokenizer(raw), envs.get("calculator"),
+                                            tooluse.load_tasks(raw, "train")[0])])
+    with torch.no_grad():
+        a, b = raw.teacher()(ids).logits, psft.teacher()(ids).logits
+    assert not torch.allclose(a, b, atol=1e-4)
+    assert not hasattr(psft.teacher(), "peft_config")  # merged: a plain model for scoring

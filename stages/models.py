@@ -176,6 +176,8 @@ def load(model_dir: Path, mcfg: ModelCfg, device: torch.device, dtype: torch.dty
                                bnb_4bit_use_double_quant=getattr(mcfg, "double_quant", False))
             if mcfg.quant == "nf4" else BitsAndBytesConfig(load_in_8bit=True))
         kw["device_map"] = {"": device}
+    if device.type == "cuda":
+        kw.setdefault("device_map", {"": device})  # load straight onto the GPU, no host staging copy
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kw)
     if mcfg.quant == "none":
         model.to(device)

@@ -351,14 +351,9 @@ def _variants(cfg):
         chunks.append([("train.chunk", c)])
         c //= 2
     yield "chunk", chunks
-    q = []
-    if cfg.student.quant == "none":
-        q.append([("student.quant", "nf4")])
-    if cfg.teacher.quant == "none":
-        q.append([("teacher.quant", "nf4")])
-    if len(q) == 2:
-        q.append(q[0] + q[1])
-    yield "quant", q
+    q = [[(f"{role}.quant", "nf4")] for role in ("student", "teacher")
+         if getattr(cfg, role).quant == "none" and _bitsandbytes()]
+    yield "quant", q + ([q[0] + q[1]] if len(q) == 2 else [])
     bs, b = [], cfg.rollout.batch_size // 2
     while b >= 1:
         bs.append([("rollout.batch_size", b)])
@@ -376,18 +371,28 @@ def _best_peak(cfg, shapes: dict, usable: float) -> tuple[float, str]:
     return ev[p]["peak"], p
 
 
+def _try(cfg, changes, shapes: dict, usable: float) -> dict:
+    v = copy.deepcopy(cfg)
+    for k, val in changes:
+        _set(v, k, val)
+    peak, placement = _best_peak(v, shapes, usable)
+    return {"set": dict(changes), "peak_gib": round(peak / GIB, 4), "placement": placement, "fits": peak <= usable}
+
+
 def suggestions(cfg, shapes: dict, usable: float) -> list[dict]:
-    """Settings that would make an infeasible plan fit: from each group, the mildest change that fits."""
-    out = []
-    for _, group in _variants(cfg):
+    """Settings that would make an infeasible plan fit: from each group, the mildest change that fits.
+    When no single change fits, the one entry is every group's strongest change at once (fits or not)."""
+    out, strongest = [], []
+    for label, group in _variants(cfg):
         for changes in group:
-            v = copy.deepcopy(cfg)
-            for k, val in changes:
-                _set(v, k, val)
-            peak, placement = _best_peak(v, shapes, usable)
-            if peak <= usable:
-                out.append({"set": dict(changes), "peak_gib": round(peak / GIB, 4), "placement": placement})
+            t = _try(cfg, changes, shapes, usable)
+            if t["fits"]:
+                out.append(t)
                 break
+        if group and label != "placement":
+            strongest += group[-1]
+    if not out and strongest:
+        out.append(_try(cfg, strongest, shapes, usable))
     return out
 
 
@@ -395,8 +400,18 @@ def _gib(b: float) -> float:
     return round(b / GIB, 4)
 
 
+def _bitsandbytes() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
 def estimate(cfg, shapes: dict | None = None) -> dict:
     """The whole plan as a JSON-able dict (what `opd plan --out` writes); loads no weights."""
+    for role in ("student", "teacher"):
+        q = getattr(cfg, role).quant
+        if q != "none" and not _bitsandbytes():
+            raise UserError(f"key '{role}.quant' = {q!r} needs bitsandbytes: pip install 'opd-stages[quant]'")
     shapes = {} if shapes is None else shapes
     x = _ctx(cfg, shapes)
     budget, source = _budget(cfg, x.device)
@@ -424,7 +439,8 @@ def estimate(cfg, shapes: dict | None = None) -> dict:
         placements[p] = {
             "peak_gib": _gib(r["peak"]), "peak_phase": r["peak_phase"], "feasible": r["peak"] <= usable,
             "phases": {ph: {"total_gib": _gib(r["totals"][ph]),
-                            "items": [{"role": ro, "component": what, "gib": _gib(b)} for ro, what, b in items]}
+                            "items": [{"role": ro, "component": what, "gib": _gib(b), "bytes": int(b)}
+                                      for ro, what, b in items]}
                        for ph, items in r["phases"].items()}}
     notes = ["steady state (step >= 2): step 1 has no LoRA grads, Adam moments or (rollout) teacher yet",
              "evaluate is not planned: it holds both roles' weights (no gradients, no optimizer)"]
@@ -465,13 +481,16 @@ def decide(cfg) -> tuple[str, str]:
 
 
 def infeasible_message(est: dict) -> str:
+    sug = est["suggestions"]
     fix = "; ".join(f"{' '.join(f'{k}={v}' for k, v in s['set'].items())} ({s['peak_gib']:.2f} GiB, "
-                    f"{s['placement']})" for s in est["suggestions"])
+                    f"{s['placement']})" for s in sug if s["fits"])
+    tried = "" if fix or not sug else \
+        f"; even {' '.join(f'{k}={v}' for k, v in sug[0]['set'].items())} needs {sug[0]['peak_gib']:.2f} GiB"
     return (f"plan infeasible: peak {est['peak_gib']:.2f} GiB ({est['peak_phase']}, placement "
             f"{est['placement']['chosen']}) > {est['usable_gib']:.2f} GiB usable of {est['budget_gib']:.2f} GiB "
             f"({est['budget_source']}, memory.margin {est['margin']}); "
-            + (f"fits with: {fix}" if fix else "no single change tried fits (chunk, nf4, swap, batch size); "
-               "use a smaller pair or a larger device"))
+            + (f"fits with: {fix}" if fix else "no change tried fits (chunk, nf4, swap, batch size)" + tried
+               + "; use a smaller pair or a larger device"))
 
 
 # ---- output ----

@@ -22,6 +22,17 @@ from .session import Session, phase
 from .store import fault, write_json
 
 
+def to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Device -> host in one copy per dtype (hundreds of small LoRA tensors would each sync)."""
+    out: dict[str, torch.Tensor] = {}
+    for dt in {t.dtype for t in tensors.values()}:
+        names = [n for n, t in tensors.items() if t.dtype == dt]
+        flat = torch.cat([tensors[n].detach().reshape(-1) for n in names]).cpu()
+        for n, piece in zip(names, flat.split([tensors[n].numel() for n in names])):
+            out[n] = piece.view(tensors[n].shape).clone()
+    return dict(sorted(out.items()))
+
+
 def make_optimizer(sess: Session, student, state_file: Path | None):
     """AdamW over the LoRA parameters, state restored from optimizer.safetensors when given."""
     o = sess.cfg.optim
@@ -29,13 +40,12 @@ def make_optimizer(sess: Session, student, state_file: Path | None):
     opt = torch.optim.AdamW([p for _, p in named], lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                             weight_decay=o.weight_decay, foreach=True)
     if state_file is not None and state_file.exists():
-        sd = load_file(state_file)
+        sd = load_file(state_file, device=str(named[0][1].device) if named else "cpu")
         step = sd.pop("__step__", None)
         for name, p in named:
             if f"{name}.exp_avg" in sd:
-                opt.state[p] = {"step": step.clone().float() if step is not None else torch.tensor(0.0),
-                                "exp_avg": sd[f"{name}.exp_avg"].to(p.device),
-                                "exp_avg_sq": sd[f"{name}.exp_avg_sq"].to(p.device)}
+                opt.state[p] = {"step": step.cpu().float() if step is not None else torch.tensor(0.0),
+                                "exp_avg": sd[f"{name}.exp_avg"], "exp_avg_sq": sd[f"{name}.exp_avg_sq"]}
     return opt, named
 
 
@@ -44,19 +54,25 @@ def save_optimizer(opt, named, path: Path) -> None:
     for name, p in named:
         st = opt.state.get(p)
         if st:
-            out[f"{name}.exp_avg"] = st["exp_avg"].detach().cpu().contiguous()
-            out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().contiguous()
+            out[f"{name}.exp_avg"] = st["exp_avg"]
+            out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"]
             step = st["step"]
+    out = to_cpu(out) if out else out
     if step is not None:
         out["__step__"] = torch.as_tensor(step, dtype=torch.float32).reshape(()).cpu()
     save_file(out, path)
 
 
 def save_adapter(student, out: Path, base_name: str) -> None:
-    """A standard PEFT adapter dir; base path is a stable name so files are byte-reproducible."""
-    student.peft_config["default"].base_model_name_or_path = base_name
-    student.save_pretrained(out, save_embedding_layers=False)
-    (out / "README.md").unlink(missing_ok=True)  # model-card boilerplate, not needed to reload
+    """A standard PEFT adapter dir (adapter_model.safetensors + adapter_config.json, what
+    PeftModel.from_pretrained reads); the base path is a stable name so files are byte-reproducible."""
+    from peft import get_peft_model_state_dict
+
+    pc = student.peft_config["default"]
+    pc.base_model_name_or_path = base_name
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(to_cpu(get_peft_model_state_dict(student)), out / "adapter_model.safetensors", metadata={"format": "pt"})
+    pc.save_pretrained(out)
     # PEFT keeps target_modules as a set: its JSON order follows string hashing, which changes per
     # process. Sorted, the file is byte-reproducible.
     cfg_file = out / "adapter_config.json"
@@ -165,7 +181,12 @@ def run(sess: Session, k: int) -> Path:
             traj = trajectory_advantages(ro, cfg, k)  # [B]
             adv = traj.to(sess.device)[p.rows]  # [n]
         # after an SFT cold start the distillation starts its own Adam moments (the SFT loss's are not its)
-        opt, named = make_optimizer(sess, student, None if prev.parent.name == "sft" else prev / "optimizer.safetensors")
+        live = getattr(sess, "_opt", None)
+        if live and live[0] == sess.policy_digest(k - 1):  # resident AdamW already holds policy k-1's state
+            opt, named = live[1], live[2]
+        else:  # after an SFT cold start the distillation starts its own Adam moments (the SFT loss's are not its)
+            opt, named = make_optimizer(sess, student,
+                                        None if prev.parent.name == "sft" else prev / "optimizer.safetensors")
         lr = cfg.optim.lr * min(1.0, k / cfg.optim.warmup_updates) if cfg.optim.warmup_updates else cfg.optim.lr
         for gr in opt.param_groups:
             gr["lr"] = lr
@@ -187,6 +208,7 @@ def run(sess: Session, k: int) -> Path:
             opt.step()
         student.eval()
         sess._policy = dig  # the resident student now holds policy k
+        sess._opt = (dig, opt, named)  # ...and the resident AdamW its moments (no reload next step)
         if sess._engine:
             sess._engine.refresh()
         state.update({k2: round(v, 6) for k2, v in stats.items()}, grad_norm=round(float(gn), 6))

@@ -45,7 +45,7 @@ ONE = only(1)
 NULL = only(None)
 FALSE = only(False)
 POS_INT = Allow("a positive integer", lambda v, ctx: isinstance(v, int) and not isinstance(v, bool) and v > 0)
-SET = Allow("a value (not null)", lambda v, ctx: v not in (None, "???", "~/models/deepseek-llm-7b-chat"))
+SET = Allow("a model set by the config (not null, not verl's placeholder)", lambda v, ctx: v not in (None, "???", "~/models/deepseek-llm-7b-chat"))
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,18 @@ from test_sampler import PROMPTS, hf_greedy, tiny, with_trained_lora
 pytestmark = pytest.mark.gpu
 
 
-def cuda_model(dtype, **kw):
-    # realistic weight scale (the CPU tests' 0.5 makes logits ~100 and bf16 rounding ~0.5 nats)
-    m = with_trained_lora(tiny(initializer_range=0.05, **kw))
+def cuda_model(dtype, lora_scale=0.02, **kw):
+    # realistic weight scales (the CPU tests' 0.5 init makes logits ~100, and bf16 rounding ~0.5 nats)
+    m = with_trained_lora(tiny(initializer_range=0.05, **kw), scale=lora_scale)
     return m.to("cuda", dtype)
+
+
+def top2_margin(model, prefix: list[int]) -> float:
+    """Reference logit margin between the best and second-best next token after `prefix`."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prefix], device="cuda")).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
 
 
 def test_graph_replay_equals_eager_fp32():
@@ -45,9 +53,14 @@ def test_greedy_matches_generate_fp32_and_bf16():
             got = out.tokens[b].tolist()
             if dtype == torch.float32:
                 assert got == ref, ("fp32", b, got, ref)
-            else:  # bf16: identical until a near-tie flips an argmax; require a long common prefix
+            else:
+                # bf16 tolerance on ties (documented): the sampling weights merge the LoRA into one
+                # bf16 matrix while transformers adds the LoRA branch separately, so logits differ by
+                # ~1e-2. Sequences must agree until a position where the reference's top-2 margin is
+                # within that tolerance; past such a near-tie the continuations legitimately diverge.
                 same = next((i for i, (x, y) in enumerate(zip(got, ref)) if x != y), len(ref))
-                assert same >= 8, (b, got, ref)
+                if same < len(ref):
+                    assert top2_margin(m, p + ref[:same]) < 0.05, (b, same, got, ref)
 
 
 def test_sample_logprobs_match_teacher_forced_bf16():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 
 import pytest
-from harness import (FAULT_POINTS, UPDATES, differences, entry_differences, invalid_published, leftovers, published, real_opd,
+from harness import (FAULT_POINTS, TINY, differences, entry_differences, invalid_published, leftovers, published, real_opd,
                      wait_for)
 
 # (OPD_FAULT, what is in flight when it fires) in the order a resumed run reaches them; a publish.*
@@ -104,10 +104,9 @@ def test_sigterm_sigint_abandon_the_stage_cleanly(fresh, reference, action, rc, 
     assert fresh.bad_reads() == []
 
 
-def test_real_opd_stopped_by_an_external_sigterm(fresh, reference):
+def test_real_opd_stopped_by_an_external_sigterm(fresh):
     """The installed console script, signalled from outside at an arbitrary moment mid-train."""
-    p = real_opd("run", *__import__("harness").TINY, cwd=fresh.dir, env={"OPD_TEST_TRACE": str(fresh.trace)},
-                 wait=False)
+    p = real_opd("run", *TINY, cwd=fresh.dir, env={"OPD_TEST_TRACE": str(fresh.trace)}, wait=False)
     lines = []
     wait_for(lambda: lines.append(p.stderr.readline()) or "step 1/" in lines[-1] or p.poll() is not None)
     assert p.poll() is None, "".join(lines)
@@ -116,6 +115,8 @@ def test_real_opd_stopped_by_an_external_sigterm(fresh, reference):
     assert p.returncode == 143, "".join(lines) + err
     assert err.strip().splitlines()[-1].startswith("interrupted by SIGTERM")
     assert leftovers(fresh.artifacts) == []
-    _assert_store_is_a_prefix_of(fresh, reference)
+    # (the console script imports the working tree's code, which may be newer than the fork
+    # server's reference run: checked for completeness here, for byte identity in the chain above)
+    assert invalid_published(fresh.artifacts) == []
+    assert any(e.startswith("update/") for e in published(fresh.artifacts))  # step 1 was kept
     assert fresh.bad_reads() == []
-    assert len(published(fresh.artifacts)) > len(published(reference.artifacts)) - 3 * UPDATES - 2

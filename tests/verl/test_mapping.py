@@ -106,9 +106,11 @@ def test_unknown_verl_field_and_unknown_profile():
 
 def test_k1_without_policy_gradient_is_refused_as_verl_refuses_it(tmp_path):
     f = tmp_path / "verl.yaml"
-    f.write_text(yaml.safe_dump({"distillation": {"distillation_loss": {"use_policy_gradient": False}}}))
-    msg = _fails("verl-opd-v0.8-single-gpu-pg-k1-v1", str(f), accept=["all"])
-    assert "distillation.distillation_loss" in msg
+    f.write_text(yaml.safe_dump({"actor_rollout_ref": {"model": {"path": "s"}}, "distillation": {
+        "teacher_models": {"teacher_model": {"model_path": "t"}},
+        "distillation_loss": {"use_policy_gradient": False}}}))
+    _fails("verl-opd-v0.8-single-gpu-pg-k1-v1", str(f), accept=["all"],
+           match=r"'distillation.distillation_loss.loss_mode' = 'k1' is unsupported.*use_policy_gradient")
 
 
 def test_pins_and_group_bounds():
@@ -137,7 +139,7 @@ def test_reinterpretations_from_a_config_file_must_be_accepted(tmp_path):
 def test_a_config_file_without_a_student_is_an_error(tmp_path):
     f = tmp_path / "verl.yaml"
     f.write_text(yaml.safe_dump({"data": {"train_batch_size": 4}}))
-    _fails("verl-opd-v0.8-single-gpu-v1", str(f), match=r"'actor_rollout_ref.model.path'.*expected a value")
+    _fails("verl-opd-v0.8-single-gpu-v1", str(f), match=r"'actor_rollout_ref.model.path'.*expected a model set by the config")
 
 
 def test_fields_snapshot_classifies_every_leaf_and_every_rule_is_used():

@@ -1,0 +1,219 @@
+"""Placements and the OOM retry: shared backbone scores exactly as a separate teacher copy (and the
+whole run publishes the same bytes), swap bookkeeping, refusals before any weights load, and CUDA
+OOM in score/update halving the position chunk (fake OOM injected on CPU; a real one on GPU)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import TINY, opd, session
+from safetensors.torch import load_file
+
+from stages import lmhead, memory, models, rollout, sampler, score, tables, train, update
+from stages.errors import UserError
+
+# teacher = the student's own base (same name/init/keep_layers): what shared_backbone needs
+SAME = ["teacher.name=arch:tiny-llama", "teacher.init=random"]
+
+
+def perturb_lora(student, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in student.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+
+def test_shared_backbone_teacher_equals_a_separate_copy(work):
+    sess = session(work, *SAME, "memory.placement=shared_backbone")
+    assert sess.prepared["student"] == sess.prepared["teacher"]
+    student = sess.student()
+    perturb_lora(student)  # a trained-looking adapter: the shared teacher must not see it
+    shared = sess.teacher()
+    assert isinstance(shared, memory.SharedTeacher) and shared.peft is student
+    copy = models.load(sess.model_dir("teacher"), sess.cfg.teacher, sess.device, sess.dtype)
+    assert sum(p.numel() for p in copy.parameters()) > 0  # the reference: a second copy of the weights
+    p = lmhead.pack([[1, 500, 600, 700], [1, 42]], [[5, 6, 7, 8, 9], [11, 12, 13]], [[1] * 5, [1] * 3], 2, "cpu")
+    with torch.no_grad():
+        a = lmhead.score_positions(lmhead.hidden(shared, p), lmhead.head_weight(shared), p.targets, 3, 8)
+        b = lmhead.score_positions(lmhead.hidden(copy, p), lmhead.head_weight(copy), p.targets, 3, 8)
+        s = lmhead.score_positions(lmhead.hidden(student, p), lmhead.head_weight(student), p.targets, 3, 8)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert not torch.allclose(a[0], s[0])  # the student (adapter on) differs: the adapter was disabled
+    # the rollout engine on the shared teacher reads the base weights unmerged (no copy)...
+    eng_shared, eng_copy = sampler.make(shared, False), sampler.make(copy, False)
+    assert eng_shared.W["layers"][0]["q_proj"].data_ptr() == \
+        student.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight.data_ptr()
+    kw = dict(eos=2, pad=2, seed=0, greedy=True)
+    ga, gb = eng_shared.generate([[1, 5, 6]], 6, **kw), eng_copy.generate([[1, 5, 6]], 6, **kw)
+    assert torch.equal(ga.tokens, gb.tokens) and torch.equal(ga.logprobs, gb.logprobs)
+    # ...and the transformers fallback runs the base too
+    ha, hb = sampler.hf_generate(shared, [[1, 5, 6]], 6, **kw), sampler.hf_generate(copy, [[1, 5, 6]], 6, **kw)
+    assert torch.equal(ha.tokens, hb.tokens)
+    # the student's adapter is enabled again afterwards
+    with torch.no_grad():
+        s2 = lmhead.score_positions(lmhead.hidden(student, p), lmhead.head_weight(student), p.targets, 3, 8)
+    assert torch.equal(s[0], s2[0])
+
+
+def _final_adapter(work: Path, *over) -> tuple[str, bytes, dict]:
+    sess = session(work, *SAME, "train.updates=2", *over)
+    out = train.run(sess)
+    d = sess.store.path("update", out["final_policy"])
+    return out["final_policy"], (d / "adapter" / "adapter_model.safetensors").read_bytes(), sess
+
+
+def test_shared_backbone_run_publishes_what_resident_does(work, tmp_path):
+    dig_r, bytes_r, s_r = _final_adapter(work, "memory.placement=resident")
+    assert s_r.placement == "resident" and not isinstance(s_r._teacher, memory.SharedTeacher)
+    shutil.rmtree(work / "artifacts" / "store" / "update")
+    shutil.rmtree(work / "artifacts" / "store" / "score")
+    dig_s, bytes_s, s_s = _final_adapter(work, "memory.placement=auto")  # auto: same base -> shared
+    assert s_s.placement == "shared_backbone" and isinstance(s_s._teacher, memory.SharedTeacher)
+    assert dig_r == dig_s and bytes_r == bytes_s
+
+
+def test_refusals_come_before_any_weights_load(work):
+    sess = session(work, "memory.placement=shared_backbone")  # tiny-llama vs tiny-llama-teacher
+    with pytest.raises(UserError, match="bases differ"):
+        sess.student()
+    assert sess._student is None and sess._teacher is None
+    sess = session(work, "memory.placement=swap", "student.quant=nf4")
+    with pytest.raises(UserError, match="use memory.placement=resident"):
+        sess.teacher()
+    assert sess._student is None and sess._teacher is None
+
+
+def test_shared_teacher_refuses_different_materialised_models():
+    fake = SimpleNamespace(prepared={"student": "a" * 32, "teacher": "b" * 32})
+    with pytest.raises(UserError, match="shared_backbone: student model/aaaa"):
+        memory.shared_teacher(fake)
+
+
+def test_swap_moves_the_idle_role_and_drops_the_engine(monkeypatch):
+    moves = []
+    monkeypatch.setattr(memory, "move", lambda model, dev: moves.append((model, dev.type)))
+    sess = SimpleNamespace(placement="swap", device=torch.device("cuda"), _student="S", _teacher="T",
+                           _engine="E", _on_host=set())
+    memory.activate(sess, "teacher")  # score: the student (and its engine) wait in host memory
+    assert moves == [("S", "cpu")] and sess._on_host == {"student"} and sess._engine is None
+    memory.activate(sess, "student")  # rollout/update: the teacher leaves, the student comes back
+    assert moves[1:] == [("T", "cpu"), ("S", "cuda")] and sess._on_host == {"teacher"}
+    memory.ensure_on_device(sess, "teacher")  # an accessor (evaluate) brings it back, evicting nothing
+    assert moves[3:] == [("T", "cuda")] and sess._on_host == set()
+    moves.clear()
+    for placement in ("resident", "shared_backbone"):
+        memory.activate(SimpleNamespace(placement=placement, device=torch.device("cuda")), "teacher")
+    memory.activate(SimpleNamespace(placement="swap", device=torch.device("cpu")), "teacher")
+    assert moves == []  # nothing moves elsewhere, nor on CPU (the device is host memory)
+
+
+# ---- CUDA OOM: halve the position chunk, retry, record ----
+
+def fake_oom(fn, above: int, calls: list):
+    """Wrap fn(..., chunk) so that chunks larger than `above` raise CUDA OOM (after running, so a
+    failed update attempt leaves partial gradients behind, as a real mid-backward OOM would)."""
+    def wrapped(*a, **kw):
+        chunk = kw["chunk"] if "chunk" in kw else a[3]
+        calls.append(chunk)
+        out = fn(*a, **kw)
+        if chunk > above:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (fake)")
+        return out
+    return wrapped
+
+
+def _step(sess, k=1):
+    train.ensure_policy(sess, k - 1)
+    rollout.run(sess, k)
+    return score.run(sess, k), update.run(sess, k)
+
+
+def test_oom_halves_the_chunk_records_retries_and_publishes_the_same(work, monkeypatch):
+    ref = session(work, "train.chunk=32")
+    sd_ref, ud_ref = _step(ref)
+    ref_adapter = load_file(ud_ref / "adapter" / "adapter_model.safetensors")
+    for stage in ("score", "update"):
+        shutil.rmtree(work / "artifacts" / "store" / stage)
+    calls_s, calls_u = [], []
+    monkeypatch.setattr(lmhead, "score_positions", fake_oom(lmhead.score_positions, 8, calls_s))
+    monkeypatch.setattr(update, "loss_and_backward", fake_oom(update.loss_and_backward, 4, calls_u))
+    sess = session(work, "train.chunk=32", "memory.chunk_floor=2")
+    sd, ud = _step(sess)
+    assert sd.name == sd_ref.name and ud.name == ud_ref.name  # the digest keeps the configured chunk
+    assert calls_s == [32, 16, 8] and calls_u == [32, 16, 8, 4]
+    st_s, st_u = (json.loads((d / "state.json").read_text()) for d in (sd, ud))
+    assert (st_s["chunk"], st_s["oom_retries"], st_s["oom_chunks"]) == (8, 2, [32, 16])
+    assert (st_u["chunk"], st_u["oom_retries"], st_u["oom_chunks"]) == (4, 3, [32, 16, 8])
+    # published values: those of the configured chunk, up to the rounding of chunked sums
+    a = tables.read(sd / "scores.parquet").column("teacher_logprobs").to_pylist()
+    b = tables.read(sd_ref / "scores.parquet").column("teacher_logprobs").to_pylist()
+    assert all(torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5) for x, y in zip(a, b))
+    got = load_file(ud / "adapter" / "adapter_model.safetensors")
+    assert set(got) == set(ref_adapter)
+    for name in got:  # failed attempts' partial gradients were discarded, not accumulated
+        assert torch.allclose(got[name], ref_adapter[name], atol=1e-6), name
+    assert sess._chunk == {"score": 8, "update": 4}  # later steps start from the chunk that fit
+
+
+def test_oom_past_the_floor_is_a_clear_error_and_publishes_nothing(work, monkeypatch):
+    def always(*a, **kw):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB (fake)")
+
+    sess = session(work, "train.chunk=16", "memory.chunk_floor=4")
+    train.ensure_policy(sess, 0)
+    rollout.run(sess, 1)
+    monkeypatch.setattr(lmhead, "score_positions", always)
+    with pytest.raises(UserError) as e:
+        score.run(sess, 1)
+    msg = str(e.value)
+    assert "\n" not in msg and "score step 1: CUDA out of memory at position chunk 4" in msg
+    assert "memory.chunk_floor = 4" in msg and "chunks 16, 8, 4" in msg and "memory.placement=swap" in msg
+    assert not (work / "artifacts" / "store" / "score" / sess.score_digest(1)).exists()
+
+
+def test_other_errors_are_not_retried(monkeypatch):
+    sess = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(chunk=8), memory=SimpleNamespace(chunk_floor=1)),
+                           _chunk={})
+    calls = []
+
+    def boom(chunk):
+        calls.append(chunk)
+        raise RuntimeError("not memory")
+
+    with pytest.raises(RuntimeError, match="not memory"):
+        memory.chunk_retry(sess, "score", 1, {}, boom)
+    assert calls == [8]
+
+
+def test_cli_refuses_bad_placement_before_loading(work):
+    r = opd("stage", "train", *TINY, "memory.placement=swap", "teacher.quant=int8", cwd=work, check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "memory.placement=resident" in r.stderr
+
+
+# ---- GPU: the real thing ----
+
+@pytest.mark.gpu
+def test_gpu_swap_and_shared_publish_what_resident_does(work):
+    outs = {}
+    for placement in ("resident", "swap"):
+        for stage in ("score", "update", "rollout"):
+            shutil.rmtree(work / "artifacts" / "store" / stage, ignore_errors=True)
+        outs[placement] = _final_adapter(work, f"memory.placement={placement}", "runtime.device=cuda")[:2]
+    assert outs["resident"] == outs["swap"]
+
+
+@pytest.mark.gpu
+def test_gpu_oom_retry_under_a_tiny_budget(work):
+    # vram_gib caps the caching allocator: a [256, 49152] fp32 chunk (48 MiB each) cannot fit 4 times
+    r = opd("stage", "train", *TINY, "train.updates=1", "train.chunk=256", "rollout.batch_size=8",
+            "rollout.max_new_tokens=32", "rollout.min_new_tokens=32", "memory.vram_gib=0.12",
+            "memory.chunk_floor=8", cwd=work, check=False)
+    assert r.returncode == 0, r.stderr
+    st = json.loads((work / "artifacts/runs/default/step-0001/state.json").read_text())
+    assert st["score"].get("oom_retries", 0) + st["policy"].get("oom_retries", 0) >= 1, st

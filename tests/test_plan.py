@@ -1,0 +1,269 @@
+"""`opd plan`: shapes without weights, the byte arithmetic against hand-computed figures (tiny
+configs and the real SmolLM2-360M/1.7B shapes), placement choice, refusals and suggestions, the
+activation formula against autograd's saved tensors, and the CUDA probe (gpu)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from stages import cli, config, plan, shapes
+from stages.config import ROOT, LoraCfg, ModelCfg
+from stages.errors import UserError
+
+GIB = 2**30
+TINY = ["student.name=arch:tiny-llama", "student.init=random", "student.keep_layers=0",
+        "teacher.name=arch:tiny-llama-teacher", "teacher.init=random", "objective.topk=8"]
+# the seed workload of ANCHORS.md: SmolLM2-360M student, SmolLM2-1.7B teacher, 128 + 64 tokens, 4 prompts
+SEED = ["student.name=arch:smollm2-360m", "student.init=random", "student.keep_layers=0",
+        "teacher.name=arch:smollm2-1.7b", "teacher.init=random", "data.max_prompt_tokens=128",
+        "rollout.max_new_tokens=64", "rollout.batch_size=4", "runtime.device=cuda", "memory.vram_gib=16"]
+
+
+def cfg(*over):
+    return config.compose(list(over))
+
+
+def item(est, phase, prefix, placement="resident", role="student"):
+    ph = est["placements"][placement]["phases"]
+    hits = [i["bytes"] for i in ph[phase]["items"] if i["component"].startswith(prefix) and i["role"] == role]
+    assert len(hits) == 1, (phase, prefix, [i["component"] for i in ph[phase]["items"]])
+    return hits[0]
+
+
+# ---- shapes ----
+
+def test_shapes_from_arch_and_gguf_header():
+    s = shapes.shape_of(ModelCfg(name="arch:smollm2-360m", init="random"), "student")
+    assert (s.vocab, s.hidden, s.inter, s.layers, s.heads, s.kv_heads, s.head_dim, s.tied) == \
+        (49152, 960, 2560, 32, 15, 5, 64, True)
+    e = shapes.shape_of(ModelCfg(name="embedded", keep_layers=15), "student")  # SmolLM2-135M, header only
+    assert (e.vocab, e.hidden, e.inter, e.layers, e.heads, e.kv_heads, e.head_dim, e.tied) == \
+        (49152, 576, 1536, 15, 9, 3, 64, True)
+    assert "GGUF" in e.source
+
+
+def test_parameter_counts_match_the_published_models():
+    # HF model cards: SmolLM2-360M 361,821,120 and SmolLM2-1.7B 1,711,376,384 parameters
+    assert shapes.shape_of(ModelCfg(name="arch:smollm2-360m", init="random"), "s").params() == 361_821_120
+    assert shapes.shape_of(ModelCfg(name="arch:smollm2-1.7b", init="random"), "t").params() == 1_711_376_384
+    # tiny-llama: 2 x (64*64 + 2*64*32 + 64*64 + 3*64*128) + 49152*64 + 2*2*64 + 64 (tied head)
+    assert shapes.shape_of(ModelCfg(name="arch:tiny-llama", init="random"), "s").params() == 3_219_776
+
+
+def test_keep_layers_beyond_the_model_is_refused():
+    with pytest.raises(UserError, match=r"student.keep_layers' = 40; the model has only 32"):
+        shapes.shape_of(ModelCfg(name="arch:smollm2-360m", init="random", keep_layers=40), "student")
+
+
+# ---- byte arithmetic, by hand ----
+
+def test_tiny_weights_lora_and_activation_bytes_by_hand():
+    s = shapes.shape_of(ModelCfg(name="arch:tiny-llama", init="random"), "s")
+    lora = LoraCfg(r=16)
+    assert plan.weight_bytes(s, "none", False, 4) == 3_219_776 * 4
+    # nf4: 73,728 linear weights at 0.5 B + one fp32 absmax per 64 (4,608 B); the rest fp32
+    assert plan.weight_bytes(s, "nf4", False, 4) == 36_864 + 4_608 + 3_146_048 * 4
+    # double quant: uint8 absmax per 64 (1,152 B) + an fp32 per 256 blocks (18 B)
+    assert plan.weight_bytes(s, "nf4", True, 4) == 36_864 + 1_152 + 18 + 3_146_048 * 4
+    # int8: 1 B per weight + an fp32 scale per output row (2 x 512 rows)
+    assert plan.weight_bytes(s, "int8", False, 2) == 73_728 + 4_096 + 3_146_048 * 2
+    # LoRA r16 on 7 projections: 16 x (sum of in+out = 1,024) per layer, 2 layers
+    assert plan.lora_params(s, lora) == 32_768
+    # saved activations per token and layer: fp32 16H + 16q + 16I + 28r; bf16 28H + 12q + 10I + 28r
+    assert plan.saved_per_token_layer(s, lora, 4) == 16 * 64 + 16 * 64 + 16 * 128 + 28 * 16 == 4_544
+    assert plan.saved_per_token_layer(s, lora, 2) == 28 * 64 + 12 * 64 + 10 * 128 + 28 * 16 == 4_288
+    # LoRA on q and v only (bf16): norms 8H + attention 4q*2 + MLP 3I*2 + 2 fp32 input copies + 2 x 4r
+    assert plan.saved_per_token_layer(s, LoraCfg(r=16, target_modules=["q_proj", "v_proj"]), 2) == \
+        8 * 64 + 8 * 64 + 6 * 128 + 2 * 4 * 64 + 2 * 4 * 16
+
+
+def test_seed_workload_components_by_hand():
+    est = plan.estimate(cfg(*SEED))
+    assert est["device"] == "cuda" and est["dtype"] == "bf16" and est["budget_source"] == "memory.vram_gib"
+    w = est["workload"]
+    assert (w["sequences"], w["prompt_bucket"], w["new_tokens"], w["tokens"], w["chunk"]) == (4, 128, 64, 768, 256)
+    assert item(est, "update", "weights (bf16)") == 361_821_120 * 2
+    assert item(est, "update", "weights (bf16)", role="teacher") == 1_711_376_384 * 2
+    # the engine's merged copy: every decoder projection (314,572,800 weights) in bf16
+    assert item(est, "rollout", "rollout engine: merged") == 314_572_800 * 2
+    # static KV cache: 2 x 32 layers x 4 seqs x 5 kv heads x (128 + 64) x 64 x 2 B = 30 MiB
+    assert item(est, "rollout", "static KV cache") == 31_457_280
+    # one score chunk: 3 fp32 [256, 49152] tensors; one loss chunk: 4
+    assert item(est, "score", "logits chunk", role="teacher") == 3 * 256 * 49152 * 4
+    assert item(est, "update", "loss chunk") == 4 * 256 * 49152 * 4
+    # saved activations: 768 tokens x (32 x 64,448 + 4 x 960) B
+    assert item(est, "update", "saved activations") == 768 * (32 * 64_448 + 3_840)
+    lora = 8_683_520 * 4  # r16 x (1920 + 1280 + 1280 + 1920 + 3 x 3520) per layer x 32, fp32
+    assert item(est, "update", "AdamW") == 2 * lora
+    # swap: the teacher is not on the device during update, nor the engine's copy
+    sw = est["placements"]["swap"]["phases"]["update"]["items"]
+    assert not [i for i in sw if i["role"] == "teacher" or "engine" in i["component"]]
+    tot = est["placements"]["resident"]["phases"]
+    assert est["peak_gib"] == max(p["total_gib"] for p in tot.values()) and est["peak_phase"] == "update"
+
+
+def test_totals_are_the_sum_of_their_items():
+    est = plan.estimate(cfg(*SEED, "student.quant=nf4", "teacher.quant=nf4"))
+    for p in est["placements"].values():
+        for ph in p.get("phases", {}).values():
+            assert ph["total_gib"] == pytest.approx(sum(i["gib"] for i in ph["items"]), abs=1e-3)
+    # quantized student: no merged copy, transformers fallback with its prompt logits
+    assert est["models"]["student"]["rollout_engine"] == "transformers fallback"
+    assert item(est, "rollout", "prefill activations + logits") >= 4 * 128 * 49152 * 2
+
+
+def test_activation_formula_matches_autograd_saved_tensors():
+    """Bytes autograd saves per layer and token (measured through saved_tensors_hooks, one layer
+    against two) equal the plan's formula within 3%, in fp32 and bf16."""
+    from test_sampler import tiny
+
+    from stages import lmhead, models
+
+    def saved(dtype, layers):
+        m = tiny("tiny-llama-teacher", num_hidden_layers=layers).to(dtype).requires_grad_(False)
+        s = models.add_lora(m, LoraCfg(r=16), 1)
+        p = lmhead.pack([[1] + list(range(100, 130)), [1] + list(range(200, 220))], [[5] * 9, [6] * 9],
+                        [[1] * 9, [1] * 9], 2, "cpu")
+        seen, params = {}, {q.untyped_storage().data_ptr() for q in s.parameters()}
+
+        def pack_hook(x):
+            seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+            return x
+
+        s.train()
+        with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda x: x):
+            lmhead.hidden(s, p)
+        return sum(v for k, v in seen.items() if k not in params), p.ids.numel()
+
+    sh = shapes.shape_of(ModelCfg(name="arch:tiny-llama-teacher", init="random"), "t")
+    for dtype, nbytes in ((torch.float32, 4), (torch.bfloat16, 2)):
+        (one, t), (two, _) = saved(dtype, 1), saved(dtype, 2)
+        per = (two - one) / t
+        assert per == pytest.approx(plan.saved_per_token_layer(sh, LoraCfg(r=16), nbytes), rel=0.03), dtype
+
+
+# ---- placements ----
+
+def test_auto_picks_resident_then_swap_then_refuses_with_fixes():
+    big = plan.estimate(cfg(*SEED))
+    assert big["placement"]["chosen"] == "resident" and big["feasible"] and big["headroom_gib"] > 0
+    res, sw = big["placements"]["resident"]["peak_gib"], big["placements"]["swap"]["peak_gib"]
+    assert sw < res
+    mid = plan.estimate(cfg(*SEED, f"memory.vram_gib={(sw + res) / 2 / 0.9:.3f}"))
+    assert mid["placement"]["chosen"] == "swap" and mid["feasible"] and "swap keeps one role" in mid["placement"]["why"]
+    small = plan.estimate(cfg(*SEED, "memory.vram_gib=3.5"))
+    assert not small["feasible"] and small["suggestions"]
+    for sug in small["suggestions"]:  # every suggested setting really fits
+        assert sug["fits"]
+        again = plan.estimate(cfg(*SEED, "memory.vram_gib=3.5", *[f"{k}={v}" for k, v in sug["set"].items()]))
+        assert again["feasible"], sug
+    assert {"student.quant", "teacher.quant"} <= {k for s in small["suggestions"] for k in s["set"]}
+    tiny = plan.estimate(cfg(*SEED, "memory.vram_gib=1"))  # nothing fits: the strongest combination, named
+    assert [s["fits"] for s in tiny["suggestions"]] == [False]
+    assert "no change tried fits" in plan.infeasible_message(tiny) and "rollout.batch_size=1" in \
+        plan.infeasible_message(tiny)
+
+
+def test_shared_backbone_is_one_copy_and_auto_prefers_it():
+    same = ["student.name=arch:smollm2-360m", "student.init=random", "student.keep_layers=0",
+            "teacher.name=arch:smollm2-360m", "teacher.init=random", "runtime.device=cuda", "memory.vram_gib=16"]
+    est = plan.estimate(cfg(*same))
+    assert est["placement"]["chosen"] == "shared_backbone"
+    sh, res = est["placements"]["shared_backbone"], est["placements"]["resident"]
+    assert res["peak_gib"] - sh["peak_gib"] == pytest.approx(361_821_120 * 2 / GIB, abs=1e-3)
+
+
+@pytest.mark.parametrize("over,needle", [
+    (["memory.placement=swap", "student.quant=nf4"], "use memory.placement=resident"),
+    (["memory.placement=swap", "teacher.quant=int8"], "teacher.quant=int8 is a bitsandbytes-quantized role"),
+    (["memory.placement=shared_backbone"], "bases differ (student.name="),
+])
+def test_refused_placements(over, needle):
+    with pytest.raises(UserError) as e:
+        plan.estimate(cfg(*TINY, *over))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- the command ----
+
+def run_cli(capsys, *argv):
+    code = cli.main(["plan", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_prints_the_table_and_writes_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    code, out, err = run_cli(capsys, *SEED, "--out", str(tmp_path / "plan.json"))
+    assert code == 0, err
+    assert "update total" in out and "placement: resident" in out and "headroom" in out
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["feasible"] and data["placement"]["chosen"] == "resident" and set(data["phases"]) == set(plan.PHASES)
+
+
+def test_cli_infeasible_exits_2_with_numbers_and_fixes(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    code, out, err = run_cli(capsys, *SEED, "memory.vram_gib=3.5", "--out", str(tmp_path / "plan.json"))
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert "plan infeasible: peak" in err and "memory.vram_gib" in err and "fits with:" in err and "nf4" in err
+    assert json.loads((tmp_path / "plan.json").read_text())["feasible"] is False
+
+
+@pytest.mark.parametrize("over,needle", [
+    (["memory.vram_gib=0"], "memory.vram_gib"),
+    (["memory.vram_gib=-4"], "memory.vram_gib"),
+    (["memory.chunk_floor=0"], "memory.chunk_floor"),
+    (["memory.margin=1.5"], "memory.margin"),
+    (["memory.placement=everywhere"], "memory.placement"),
+    (["student.double_quant=true"], "student.double_quant"),
+    (["memory.placement=swap", "student.quant=nf4"], "memory.placement=resident"),
+    (["memory.placement=shared_backbone"], "shared_backbone"),
+])
+def test_cli_bad_input_is_one_line_exit_2(monkeypatch, capsys, over, needle):
+    monkeypatch.chdir(ROOT)
+    code, _, err = run_cli(capsys, *TINY, *over)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and needle in err, err
+
+
+def test_nf4_without_bitsandbytes_is_refused(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(plan, "_bitsandbytes", lambda: False)
+    code, _, err = run_cli(capsys, *TINY, "teacher.quant=nf4")
+    assert code == 2 and "teacher.quant" in err and "bitsandbytes" in err, err
+
+
+# ---- the probe (CUDA) ----
+
+@pytest.mark.gpu
+def test_probe_runs_zero_updates_is_cached_and_near_the_plan(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "conf").symlink_to(ROOT / "conf")
+    argv = [*TINY, "rollout.max_new_tokens=16", "--probe", "--out", str(tmp_path / "plan.json")]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    data = json.loads((tmp_path / "plan.json").read_text())
+    pr = data["probe"]
+    assert pr["optimizer_updates"] == 0 and not pr["cached"] and "measured GiB" in out
+    assert set(pr["phases"]) >= {"rollout", "score", "update"}
+    assert not (tmp_path / "artifacts/store/update").exists()  # nothing but the measurement published
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 0 and json.loads((tmp_path / "plan.json").read_text())["probe"]["cached"], err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [[], ["student.quant=nf4", "teacher.quant=nf4"]])
+def test_plan_within_15_percent_of_measured_on_the_seed_shapes(tmp_path, monkeypatch, capsys, quant):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "conf").symlink_to(ROOT / "conf")
+    over = [o for o in SEED if not o.startswith("memory.vram_gib")]
+    code, _, err = run_cli(capsys, *over, *quant, "memory.placement=resident", "--probe",
+                           "--out", str(tmp_path / "plan.json"))
+    assert code == 0, err
+    data = json.loads((tmp_path / "plan.json").read_text())
+    ratios = {ph: r["ratio"] for ph, r in data["probe"]["phases"].items()}
+    peak = max(r["peak_allocated_gib"] for r in data["probe"]["phases"].values())
+    assert abs(data["peak_gib"] / peak - 1) <= 0.15, (data["peak_gib"], peak, ratios)

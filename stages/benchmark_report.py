@@ -42,12 +42,12 @@ def means(b: dict, results: list[dict]) -> list[dict]:
     return out
 
 
-def machine() -> dict:
+def machine(threads: int) -> dict:
+    import os
+
     from .models import env_versions
 
-    import torch
-
-    return {**env_versions(), "cpu_count": __import__("os").cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {**env_versions(), "cpu_count": os.cpu_count(), "torch_threads": threads or "default",
             "node": platform.node()}
 
 
@@ -103,7 +103,7 @@ def write(b: dict, cfgs: dict, results: list[dict], wall: float) -> dict:
     bench = {k: v for k, v in b.items() if not k.startswith("_")}
     doc = {
         "schema": "opd-stages/tooluse-benchmark", "schema_version": 1, "benchmark": bench,
-        "command": f"opd benchmark {b['_path']}", "base_config": to_dict(base_cfg), "machine": machine(),
+        "command": f"opd benchmark {b['_path']}", "base_config": to_dict(base_cfg), "machine": machine(base_cfg.runtime.threads),
         "wall_seconds": wall, "results": results, "means": means(b, results),
     }
     out = Path(b["out_dir"])

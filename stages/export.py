@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -48,7 +49,8 @@ def run(sess: Session, out: Path | None = None) -> Path:
         train.ensure_policy(sess, cfg.train.updates)
         pol = sess.store.path("update" if cfg.train.updates else "init", final)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with sess.store._lock(out.parent / f".{out.name}.lock"):  # one exporter per dir (two runs, one view)
+    with open(out.parent / f".{out.name}.lock", "a") as lock:  # one exporter per dir (two runs, one view)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         try:
             _export(sess, pol, final, out)
         except BaseException:  # abandoned (error, SIGTERM): leave no temp dir behind

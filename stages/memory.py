@@ -3,7 +3,7 @@
 Placements (`memory.placement`, chosen weight-free by `opd plan`, stages/plan.py):
 - resident: both roles stay on the device for the whole loop (nothing moves).
 - swap: the idle role waits in host memory: the teacher during rollout/update, the student (its
-  LoRA, gradients and rollout engine) during score. Only unquantized roles can move (bitsandbytes
+  LoRA, gradients, AdamW moments and rollout engine) during score. Only unquantized roles can move (bitsandbytes
   weights are not movable), so a quantized role is refused before anything loads.
 - shared_backbone: the teacher *is* the student's base with the student's LoRA disabled (PEFT's
   `disable_adapter()`), one copy of the weights; only when both roles name the same base model.
@@ -120,6 +120,16 @@ def move(model, device: torch.device) -> None:
     target.to(device)
 
 
+def _move_moments(sess, device: torch.device) -> None:
+    """The resident AdamW's moments (update.run keeps them in sess._opt) travel with the student."""
+    live = getattr(sess, "_opt", None)
+    if live:
+        for st in live[1].state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st:
+                    st[key] = st[key].to(device)
+
+
 def activate(sess, role: str) -> None:
     """Placement swap: bring `role` to the device and send the other role to host memory. The
     rollout engine (merged sampling weights, captured graphs) is dropped with the student and
@@ -132,6 +142,8 @@ def activate(sess, role: str) -> None:
         if other == "student" and sess._engine:
             sess._engine = None  # its weights and graphs live on the device; rebuilt at the next rollout
         move(held, torch.device("cpu"))
+        if other == "student":
+            _move_moments(sess, torch.device("cpu"))
         sess._on_host.add(other)
         torch.cuda.empty_cache()  # give the freed blocks back so the incoming role can use them
     ensure_on_device(sess, role)
@@ -142,6 +154,8 @@ def ensure_on_device(sess, role: str) -> None:
     if role in sess._on_host:
         model = sess._teacher if role == "teacher" else sess._student
         move(model, sess.device)
+        if role == "student":
+            _move_moments(sess, sess.device)
         sess._on_host.discard(role)
 
 

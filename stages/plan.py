@@ -4,18 +4,17 @@ under every placement, picks one (memory.placement=auto) and refuses an infeasib
 the settings that would make it fit. `--probe` (CUDA) puts measured peaks beside the estimates.
 
 What each phase holds (steady state, step >= 2; bytes; s = bytes of the compute dtype):
-  rollout  student weights + LoRA (fp32) + LoRA grads kept from the last update + the engine's
-           merged copy of the LoRA-targeted projections (s) + static KV cache
+  rollout  student weights + LoRA (fp32) + the engine's weights (s) + static KV cache
            2 * layers * B * kv_heads * (prompt_bucket + max_new) * head_dim * s + prefill
            activations B * P * (2H + 3I) * s + attention scores + sampling buffers [B, V] fp32
   score    teacher weights + forward activations t * max(2H + 3I, 2H + 5 q_dim) * s + hidden
            states + one chunk of logits: 3 * chunk * V * 4 (log_softmax, exp, product for entropy)
-  update   student weights + LoRA + grads (fp32) + AdamW moments (2 x fp32) + saved activations
-           t * (layers * a + 4H) (a per token and layer, `saved_per_token_layer`) + backward
-           scratch t * (2H + 3I) * 4 + loss chunk 4 * chunk * V * 4
-  refresh  between update and the next rollout the engine re-merges every targeted projection
-           into a new copy before copying it in place: twice the merged copy
-Under resident every phase also holds the idle role; under swap it waits in host memory; under
+  update   student weights + LoRA + grads (fp32) + saved activations t * (layers * a + 4H)
+           (a per token and layer, `saved_per_token_layer`) + backward scratch t * (2H + 3I) * 4
+           + loss chunk 4 * chunk * V * 4
+The student's LoRA grads and AdamW moments (2 x fp32) stay resident between steps, as does the
+engine's copy (q/k/v and gate/up fused, targeted o/down merged). Under resident every phase also
+holds the idle role; under swap it waits in host memory (with its moments and engine); under
 shared_backbone the teacher is the student's base (no second copy). t = B * (P + max_new).
 The activation terms were checked against autograd's saved tensors (CPU, real SmolLM2-360M
 widths): within 1% for bf16 and fp32.
@@ -34,7 +33,7 @@ from .memory import GIB
 from .shapes import PROJ, Shape, shape_of
 
 PLACEMENTS = ("resident", "swap", "shared_backbone")
-PHASES = ("rollout", "score", "update", "refresh")
+PHASES = ("rollout", "score", "update")
 ENGINE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}  # stages/sampler.py SUPPORTED (no torch import here)
 NF4_BLOCK = 64  # bitsandbytes 4-bit: one absmax per 64 weights (fp32; uint8 + 1/256 fp32 with double quant)
 ENV_TOOL_TOKENS = 32  # assumed tokens of one tool message per turn (env rollouts): the env decides
@@ -69,11 +68,15 @@ def lora_params(sh: Shape, lora) -> int:
     return n + (lora.r * (sh.hidden + sh.vocab) if "lm_head" in tg else 0)
 
 
+# sampler.sampling_weights concatenates q/k/v and gate/up (one matmul each per decode step): new tensors
+FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
 def engine_copy_bytes(sh: Shape, lora, s: int) -> int:
-    """sampler.sampling_weights: a merged (base + LoRA delta) copy of every LoRA-targeted projection;
-    untargeted weights are shared with the model, not copied."""
+    """The engine's own weights: q/k/v and gate/up fused (always a copy) plus a merged (base + LoRA
+    delta) copy of o_proj/down_proj/lm_head where LoRA targets them; the rest is shared, not copied."""
     tg, proj = targets(sh, lora), sh.proj()
-    n = sh.layers * sum(i * o for name, (i, o) in proj.items() if name in tg)
+    n = sh.layers * sum(i * o for name, (i, o) in proj.items() if name in FUSED or name in tg)
     return (n + (sh.vocab * sh.hidden if "lm_head" in tg else 0)) * s
 
 
@@ -173,21 +176,20 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int]]]:
     sdq, tdq = getattr(cfg.student, "double_quant", False), getattr(cfg.teacher, "double_quant", False)
     lora = lora_params(S, cfg.lora) * 4
     stud = [("student", f"weights ({_label(sq, sdq, x.dtype)})", weight_bytes(S, sq, sdq, s)),
-            ("student", "LoRA (fp32)", lora), ("student", "LoRA grads (fp32, kept from the last update)", lora)]
-    eng = [("student", "rollout engine: merged copy of the LoRA-targeted weights",
+            ("student", "LoRA (fp32)", lora), ("student", "LoRA grads (fp32, kept from the last update)", lora),
+            ("student", "AdamW moments (2 x fp32, resident between steps)", 2 * lora)]
+    eng = [("student", "rollout engine weights (fused q/k/v, gate/up; merged LoRA)",
             engine_copy_bytes(S, cfg.lora, s))] if x.engine else []
     teach = [("teacher", "weights: the student's base (shared, counted once)", 0)] if shared else \
         [("teacher", f"weights ({_label(tq, tdq, x.dtype)})", weight_bytes(T, tq, tdq, s))]
-    adam = [("student", "AdamW moments (2 x fp32)", 2 * lora)]
     out: dict[str, list] = {}
 
     ro = stud + (eng if x.engine else []) + ([] if moves else teach)
     if x.engine:
         L = Pb + N
         if moves:  # the engine is rebuilt inside each rollout: fp32 scratch of one merge
-            big = max(i * o for name, (i, o) in S.proj().items() if name in targets(S, cfg.lora)) if \
-                any(m in PROJ for m in targets(S, cfg.lora)) else 0
-            ro.append(("student", "engine merge scratch (fp32, one projection)", 3 * big * 4))
+            big = max(i * o for i, o in S.proj().values())
+            ro.append(("student", "engine build scratch (fp32 merge of one projection)", 3 * big * 4))
         ro += [("student", f"static KV cache [{S.layers}, {B}, {S.kv_heads}, {L}, {S.head_dim}] x2",
                 2 * S.layers * B * S.kv_heads * L * S.head_dim * s),
                ("student", f"prefill activations ({B} x {Pb} tokens) + attention scores",
@@ -213,7 +215,7 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int]]]:
     out["score"] = sc
 
     full = "full" in _needs(cfg)
-    up = stud + adam + ([] if moves else eng + teach)
+    up = stud + ([] if moves else eng + teach)
     up += [("student", f"saved activations ({t} tokens x {S.layers} layers)",
             t * (S.layers * saved_per_token_layer(S, cfg.lora, s) + 4 * S.hidden)),
            ("student", "backward scratch (one layer)", t * (2 * S.hidden + 3 * S.inter) * 4),
@@ -223,9 +225,6 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int]]]:
            ("student", "quantized matmul scratch", dequant_bytes(S, sq, t, s))]
     out["update"] = up
 
-    if x.engine and not moves:  # update.run re-merges after the step, Adam moments still alive
-        out["refresh"] = stud + adam + teach + eng + [
-            ("student", "rollout engine: the new merged copy (transient)", engine_copy_bytes(S, cfg.lora, s))]
     return {ph: [i for i in items if i[2] or "shared" in i[1]] for ph, items in out.items()}
 
 
@@ -443,6 +442,7 @@ def estimate(cfg, shapes: dict | None = None) -> dict:
                                       for ro, what, b in items]}
                        for ph, items in r["phases"].items()}}
     notes = ["steady state (step >= 2): step 1 has no LoRA grads, Adam moments or (rollout) teacher yet",
+             "after each update the engine re-merges in place, one projection at a time (fp32 scratch)",
              "evaluate is not planned: it holds both roles' weights (no gradients, no optimizer)"]
     if cfg.memory.placement == "swap" and x.device == "cpu":
         notes.append("on CPU the device is host memory: swap moves nothing")

@@ -1,8 +1,8 @@
 """`opd plan --probe`: a bounded CUDA calibration of the plan. Loads the models as the chosen
 placement does and measures, with the same `phase()` records the pipeline writes: one rollout batch
 (every prompt at data.max_prompt_tokens, every response forced to its full length), one score chunk,
-one update forward+backward, and the engine refresh. Zero optimizer updates: nothing is published
-but the measurement, cached in the store by an identity digest of shapes, settings and versions.
+one update forward+backward. Zero optimizer updates: nothing is published but the measurement,
+cached in the store by an identity digest of shapes, settings and versions.
 """
 from __future__ import annotations
 
@@ -57,14 +57,18 @@ def measure(cfg, est: dict) -> dict:
     prompts = torch.randint(3, V, (B, P), generator=g).tolist()  # the worst case: every prompt at the limit
     phases: dict[str, dict] = {}
 
-    # steady state before the phases: both roles loaded as placed, the LoRA grads an update leaves
+    # steady state before the phases: both roles loaded as placed, the LoRA grads and the resident
+    # AdamW moments a previous update leaves (zeros: no step is ever taken)
     sess.activate("teacher")
     sess.teacher()
     sess.activate("student")
     student = sess.student()
-    lora = [q for _, q in student.named_parameters() if q.requires_grad]
-    for q in lora:
+    named = [(n, q) for n, q in student.named_parameters() if q.requires_grad]
+    opt = torch.optim.AdamW([q for _, q in named])
+    for _, q in named:
         q.grad = torch.zeros_like(q)
+        opt.state[q] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(q), "exp_avg_sq": torch.zeros_like(q)}
+    sess._opt = (None, opt, named)
     if sess.placement != "swap":
         sess.engine()  # resident: built once at step 1 (under swap each rollout rebuilds it, in-phase)
 
@@ -86,7 +90,6 @@ def measure(cfg, est: dict) -> dict:
         del h
 
     sess.activate("student")
-    moments = [torch.zeros_like(q) for q in lora for _ in range(2)]  # AdamW state as a later step loads it
     sc = {"teacher_logprobs": np.full(n, -3.0, np.float32),
           "topk_ids": torch.randint(0, V, (n, k), generator=g).numpy(),
           "topk_logprobs": np.full((n, k), -5.0, np.float32)}
@@ -97,12 +100,5 @@ def measure(cfg, est: dict) -> dict:
         update.loss_and_backward(sess, student, p, torch.zeros(n, device=sess.device), sc, adv,
                                  chunk=cfg.train.chunk)  # forward + backward; no optimizer step
     student.eval()
-    if sess._engine:
-        phases["refresh"] = {}
-        with phase(sess.device, phases["refresh"]):
-            sess._engine.refresh()
-    for q in lora:
-        q.grad = None
-    del moments
     return {"device": torch.cuda.get_device_name(), "phases": phases, "optimizer_updates": 0,
             "tokens": {"prompt": P, "new": N, "sequences": B, "positions": n}}

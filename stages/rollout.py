@@ -33,7 +33,8 @@ def tokenizer(sess: Session):
     from transformers import AutoTokenizer
 
     if not hasattr(sess, "_tok"):
-        sess._tok = AutoTokenizer.from_pretrained(sess.store.path("model", sess.prepared["student"]))
+        # model_dir content-checks the whole dir (tokenizer files included) before anything is read
+        sess._tok = AutoTokenizer.from_pretrained(sess.model_dir("student"))
     return sess._tok
 
 

@@ -212,6 +212,7 @@ class Session:
     def link_step(self, k: int) -> None:
         d = self.step_dir(k)
         pol = self.policy_dir(k)
+        self.store.wait(pol)  # its publish may still be running in the background
         link(pol / "adapter", d / "adapter")
         link(pol / "optimizer.safetensors", d / "optimizer.safetensors")
         state = {"policy": json.loads((pol / "state.json").read_text())}

@@ -97,6 +97,8 @@ class Store:
         self.artifacts = Path(artifacts)
         self.root = self.artifacts / "store"
         self._verified: set[Path] = set()
+        self._pending: dict = {}  # final dir -> Future of its background publish
+        self._pool = None
 
     def path(self, stage: str, dig: str) -> Path:
         return self.root / stage / dig
@@ -110,6 +112,8 @@ class Store:
             return True
         man = d / MANIFEST
         if not man.is_file():
+            if d.is_dir():  # never published by us (a copy, a foreign writer): never trusted
+                self._warn(f"{man}: missing; recomputing")
             return False
         try:
             files = json.loads(man.read_text())["files"]
@@ -131,15 +135,21 @@ class Store:
 
     def get(self, stage: str, dig: str, deep: bool = True) -> Path | None:
         d = self.path(stage, dig)
+        self.wait(d)
         if d.exists() and self.verify(d, deep):
             return d
         return None
 
-    def ensure(self, stage: str, dig: str, produce: Callable[[Path], Any], deep: bool = True) -> tuple[Path, bool]:
+    def ensure(self, stage: str, dig: str, produce: Callable[[Path], Any], deep: bool = True,
+               background: bool = False) -> tuple[Path, bool]:
         """Return the published dir for (stage, dig), running `produce(tmpdir)` only if absent.
 
         Returns (path, computed). One writer per digest: an exclusive lock file serialises two
-        processes on the same store; the second finds the first one's result published."""
+        processes on the same store; the second finds the first one's result published.
+        background=True: `produce` runs now, sealing (fsync, hashing, manifest) and the rename run on
+        a worker thread while the caller goes on; `wait`/`get`/`flush` join it. A crash before the
+        rename loses only that unpublished output, which the next run recomputes to the same bytes."""
+        self.wait(self.path(stage, dig))
         if (d := self.get(stage, dig, deep)) is not None:
             return d, False
         parent = self.root / stage
@@ -147,8 +157,10 @@ class Store:
             parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UserError(f"{parent}: artifacts dir is not writable ({e.strerror})") from None
-        with self._lock(parent / f".{dig}.lock"):
+        lock = self._acquire(parent / f".{dig}.lock")
+        try:
             if (d := self.get(stage, dig)) is not None:
+                self._release(lock)
                 return d, False
             # Under the lock every temp dir of this digest is a dead writer's (SIGKILL, power loss):
             # never published, so removing it loses nothing.
@@ -160,20 +172,51 @@ class Store:
                 fault(f"{stage}.before", tmp)
                 produce(tmp)
                 fault("publish.after_temp_write", tmp)
-                self._seal(tmp, stage, dig)
-                final = self.path(stage, dig)
-                if final.exists():  # a broken earlier publish: keep it aside, never delete data
-                    os.replace(final, parent / f".corrupt-{dig}-{int(time.time())}")
-                fault("publish.before_rename", tmp)
-                os.replace(tmp, final)
-                _fsync_dir(parent)
-                fault("publish.after_rename", final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            self._verified.add(final)
-            fault(f"{stage}.after", final)
-            return final, True
+        except BaseException:
+            self._release(lock)
+            raise
+        final = self.path(stage, dig)
+        if background:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opd-publish")
+            self._pending[final] = self._pool.submit(self._publish, tmp, stage, dig, lock)
+        else:
+            self._publish(tmp, stage, dig, lock)
+        return final, True
+
+    def _publish(self, tmp: Path, stage: str, dig: str, lock) -> None:
+        parent, final = tmp.parent, self.path(stage, dig)
+        try:
+            self._seal(tmp, stage, dig)
+            if final.exists():  # a broken earlier publish: keep it aside, never delete data
+                os.replace(final, parent / f".corrupt-{dig}-{int(time.time())}")
+            fault("publish.before_rename", tmp)
+            os.replace(tmp, final)
+            _fsync_dir(parent)
+            fault("publish.after_rename", final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            self._release(lock)
+        self._verified.add(final)
+        fault(f"{stage}.after", final)
+
+    def wait(self, d: Path) -> None:
+        """Join a background publish of `d` (re-raising its error), if one is in flight."""
+        fut = self._pending.pop(d, None)
+        if fut is not None:
+            fut.result()
+
+    def flush(self) -> None:
+        """Join every background publish (end of a loop, before exit)."""
+        for d in list(self._pending):
+            self.wait(d)
 
     def _seal(self, tmp: Path, stage: str, dig: str) -> None:
         paths = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
@@ -191,14 +234,16 @@ class Store:
         _fsync_dir(tmp)
         fault("publish.after_manifest", tmp)
 
-    @contextmanager
-    def _lock(self, path: Path):
-        with open(path, "a") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+    @staticmethod
+    def _acquire(path: Path):
+        fh = open(path, "a")
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        return fh
+
+    @staticmethod
+    def _release(fh) -> None:
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()
 
     @staticmethod
     def _warn(msg: str) -> None:

@@ -69,6 +69,20 @@ def run(sess: Session) -> dict:
     with Progress(TextColumn("[bold]train[/] {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), disable=quiet) as bar:
         task = bar.add_task("", total=cfg.train.updates)
+
+        def record(k: int) -> None:
+            """Run view + history for step k (joins its background publish first)."""
+            sess.link_step(k)
+            row = history_row(sess, k)
+            rows.append(row)
+            bar.update(task, advance=1, description=(
+                f"step {k} loss {row['loss']:.4f} | rollout {row['rollout_tokens_per_s'] or 0:.0f} tok/s "
+                f"score {row['score_tokens_per_s'] or 0:.0f} tok/s update {row['update_tokens_per_s'] or 0:.0f} tok/s"))
+            if quiet:
+                print(f"step {k}/{cfg.train.updates}: loss {row['loss']:.4f} grad_norm {row['grad_norm']:.3f} "
+                      f"rollout {row['rollout_tokens_per_s'] or 0:.0f} tok/s", file=sys.stderr)
+
+        waiting: list[int] = []  # computed steps whose update may still be publishing in the background
         for k in range(1, cfg.train.updates + 1):
             t_step = time.perf_counter()
             if sess.store.get("update", sess.update_digest(k)) is None:  # else: published, reuse
@@ -82,16 +96,13 @@ def run(sess: Session) -> dict:
             else:  # a reused step's rollout and scores are content-checked too before they are linked
                 rollout.run(sess, k)  # (and recomputed, to the same bytes, if damaged)
                 score.run(sess, k)
-            sess.link_step(k)
-            row = history_row(sess, k)
-            rows.append(row)
-            bar.update(task, advance=1, description=(
-                f"step {k} loss {row['loss']:.4f} | rollout {row['rollout_tokens_per_s'] or 0:.0f} tok/s "
-                f"score {row['score_tokens_per_s'] or 0:.0f} tok/s update {row['update_tokens_per_s'] or 0:.0f} tok/s"))
-            if quiet:
-                print(f"step {k}/{cfg.train.updates}: loss {row['loss']:.4f} grad_norm {row['grad_norm']:.3f} "
-                      f"rollout {row['rollout_tokens_per_s'] or 0:.0f} tok/s", file=sys.stderr)
+            for j in waiting:  # the previous step's publish overlapped this step's compute
+                record(j)
+            waiting = [k]
             fault("train.between_steps")
+        sess.store.flush()
+        for j in waiting:
+            record(j)
     sess.run_dir.mkdir(parents=True, exist_ok=True)
     tmp = sess.run_dir / f".history.csv.tmp-{os.getpid()}"  # atomic: two runs of one view never interleave
     with open(tmp, "w", newline="") as f:

@@ -44,7 +44,9 @@ def make_optimizer(sess: Session, student, state_file: Path | None):
         step = sd.pop("__step__", None)
         for name, p in named:
             if f"{name}.exp_avg" in sd:
-                opt.state[p] = {"step": step.cpu().float() if step is not None else torch.tensor(0.0),
+                # one step tensor per parameter (a shared one is advanced once per parameter by foreach
+                # AdamW: a resumed run would then differ from an uninterrupted one)
+                opt.state[p] = {"step": step.cpu().float().clone() if step is not None else torch.tensor(0.0),
                                 "exp_avg": sd[f"{name}.exp_avg"], "exp_avg_sq": sd[f"{name}.exp_avg_sq"]}
     return opt, named
 
@@ -218,7 +220,9 @@ def run(sess: Session, k: int) -> Path:
         save_optimizer(opt, named, tmp / "optimizer.safetensors")
         write_json(tmp / "state.json", state)
 
-    d, _ = sess.store.ensure("update", dig, produce)
+    # On CUDA the update's files (adapter + AdamW moments) are sealed and renamed on a worker thread
+    # while the next rollout runs; the resident student already holds policy k.
+    d, _ = sess.store.ensure("update", dig, produce, background=sess.device.type == "cuda")
     return d
 
 

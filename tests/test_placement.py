@@ -47,8 +47,8 @@ def test_shared_backbone_teacher_equals_a_separate_copy(work):
     assert not torch.allclose(a[0], s[0])  # the student (adapter on) differs: the adapter was disabled
     # the rollout engine on the shared teacher reads the base weights unmerged (no copy)...
     eng_shared, eng_copy = sampler.make(shared, False), sampler.make(copy, False)
-    assert eng_shared.W["layers"][0]["q_proj"].data_ptr() == \
-        student.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight.data_ptr()
+    assert eng_shared.W["layers"][0]["o_proj"].data_ptr() == \
+        student.get_base_model().model.layers[0].self_attn.o_proj.base_layer.weight.data_ptr()
     kw = dict(eos=2, pad=2, seed=0, greedy=True)
     ga, gb = eng_shared.generate([[1, 5, 6]], 6, **kw), eng_copy.generate([[1, 5, 6]], 6, **kw)
     assert torch.equal(ga.tokens, gb.tokens) and torch.equal(ga.logprobs, gb.logprobs)

@@ -74,6 +74,10 @@ def test_tiny_weights_lora_and_activation_bytes_by_hand():
     # saved activations per token and layer: fp32 16H + 16q + 16I + 28r; bf16 28H + 12q + 10I + 28r
     assert plan.saved_per_token_layer(s, lora, 4) == 16 * 64 + 16 * 64 + 16 * 128 + 28 * 16 == 4_544
     assert plan.saved_per_token_layer(s, lora, 2) == 28 * 64 + 12 * 64 + 10 * 128 + 28 * 16 == 4_288
+    # the engine's weights: q/k/v and gate/up are fused (copies) even where LoRA does not reach
+    assert plan.engine_copy_bytes(s, LoraCfg(r=16, target_modules=["q_proj", "v_proj"]), 4) == \
+        2 * (4_096 + 2_048 + 2_048 + 8_192 + 8_192) * 4
+    assert plan.engine_copy_bytes(s, lora, 4) == 73_728 * 4
     # LoRA on q and v only (bf16): norms 8H + attention 4q*2 + MLP 3I*2 + 2 fp32 input copies + 2 x 4r
     assert plan.saved_per_token_layer(s, LoraCfg(r=16, target_modules=["q_proj", "v_proj"]), 2) == \
         8 * 64 + 8 * 64 + 6 * 128 + 2 * 4 * 64 + 2 * 4 * 16
@@ -87,7 +91,7 @@ def test_seed_workload_components_by_hand():
     assert item(est, "update", "weights (bf16)") == 361_821_120 * 2
     assert item(est, "update", "weights (bf16)", role="teacher") == 1_711_376_384 * 2
     # the engine's merged copy: every decoder projection (314,572,800 weights) in bf16
-    assert item(est, "rollout", "rollout engine: merged") == 314_572_800 * 2
+    assert item(est, "rollout", "rollout engine weights") == 314_572_800 * 2
     # static KV cache: 2 x 32 layers x 4 seqs x 5 kv heads x (128 + 64) x 64 x 2 B = 30 MiB
     assert item(est, "rollout", "static KV cache") == 31_457_280
     # one score chunk: 3 fp32 [256, 49152] tensors; one loss chunk: 4

@@ -47,6 +47,7 @@ def make(profile: str, config: str, sets: list[str], accept: list[str], override
     all_overrides = mapped + list(overrides)
     cfg = config_mod.compose(all_overrides, conf_dir)
     mem = memory_plan(cfg)
+    _check_vocab(cfg, mem, report)
     plan = {
         "schema": SCHEMA,
         "profile": profile,
@@ -65,6 +66,22 @@ def make(profile: str, config: str, sets: list[str], accept: list[str], override
     }
     plan["digest"] = content_digest(plan)
     return plan
+
+
+def _check_vocab(cfg, mem: Optional[dict], report: dict) -> None:
+    """top-k larger than the vocabulary, caught at plan time (weight-free: config files only)."""
+    vocab = (mem or {}).get("models", {}).get("student", {}).get("vocab")
+    if vocab is None:
+        try:
+            from ..shapes import shape_of
+
+            vocab = shape_of(cfg.student, "student").vocab
+        except (ImportError, UserError):
+            return  # the model's config is not readable here: prepare checks it before any work
+    if cfg.objective.topk > vocab:
+        src = next((e["field"] for e in report["fields"] if "objective.topk" in e["ours"]), "objective.topk")
+        raise UserError(f"verl field '{src}' = {cfg.objective.topk} (objective.topk) is larger than the "
+                        f"student's vocabulary ({vocab})")
 
 
 def write(plan: dict, out: Path) -> Path:

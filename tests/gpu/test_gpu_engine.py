@@ -27,7 +27,7 @@ def top2_margin(model, prefix: list[int]) -> float:
 
 def test_graph_replay_equals_eager_fp32():
     torch.backends.cuda.matmul.allow_tf32 = False
-    m = cuda_model(torch.float32)
+    m = with_trained_lora(tiny()).to("cuda")  # peaked distributions: a sampled token is not a coin flip
     g = sampler.Engine(m, use_graphs=True)
     e = sampler.Engine(m, use_graphs=False)
     for seed in (0, 1):

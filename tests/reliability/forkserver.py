@@ -62,7 +62,19 @@ def main() -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    from stages import cli, evaluate, export, prepare, rollout, score, train, update  # noqa: F401
+    import importlib
+    import pkgutil
+
+    import stages
+    from stages import cli
+
+    # every module of the package now, so all children run one snapshot of the code (the working
+    # tree may change under a long session; a lazy import in a child would read the new file)
+    for m in pkgutil.walk_packages(stages.__path__, "stages."):
+        try:
+            importlib.import_module(m.name)
+        except Exception:  # optional extras (e.g. CUDA-only modules): imported lazily if ever
+            pass
 
     cli._quiet_libraries()
     out = sys.stdout

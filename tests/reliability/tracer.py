@@ -53,7 +53,8 @@ def _classify(path, op: str, via: str) -> None:
            "in_verify": _S["verifying"] > 0}
     if entry.startswith(".tmp-"):
         rec["kind"] = "tmp"
-        rec["own"] = any(entry == f".tmp-{dig}-{os.getpid()}" for dig in _S["ensuring"])
+        # this process's own temp dir (the stage it is producing, or sealing on a publish thread)
+        rec["own"] = entry.endswith(f"-{os.getpid()}")
     elif entry.startswith("."):
         rec["kind"] = "hidden"  # .corrupt-* and anything else never published
     else:

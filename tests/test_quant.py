@@ -1,0 +1,102 @@
+"""bitsandbytes NF4/int8 on CPU: QLoRA update steps change the adapter with a finite loss, quantized
+teachers score, NF4 LoRA gradients equal the dequantized model's (also after an eval forward: the
+CPU inference repacking has no autograd), quant joins exactly the digests it changes, and a
+missing bitsandbytes is a one-line error."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from conftest import session
+from safetensors.torch import load_file
+
+from stages import lmhead, models, train
+from stages.config import LoraCfg, ModelCfg
+from stages.errors import UserError
+
+
+@pytest.mark.parametrize("over", [
+    ["student.quant=nf4", "teacher.quant=int8"],
+    ["student.quant=int8", "teacher.quant=nf4", "teacher.double_quant=true"],
+])
+def test_quantized_lora_update_changes_the_adapter_with_finite_loss(work, over):
+    sess = session(work, *over)
+    train.ensure_policy(sess, 1)
+    init = load_file(sess.policy_dir(0) / "adapter" / "adapter_model.safetensors")
+    d = sess.policy_dir(1)
+    after = load_file(d / "adapter" / "adapter_model.safetensors")
+    st = json.loads((d / "state.json").read_text())
+    assert torch.isfinite(torch.tensor(st["loss"])) and st["loss"] > 0 and st["grad_norm"] > 0
+    changed = [n for n in init if not torch.equal(init[n], after[n])]
+    assert len(changed) == len(init)  # every LoRA matrix moved (B from zero, A by its gradient)
+    assert sess.engine() is None  # a quantized student samples through the transformers fallback
+    q = sess.student().get_base_model().model.layers[0].self_attn.q_proj.base_layer
+    assert type(q).__name__ == ("Linear4bit" if "student.quant=nf4" in over else "Linear8bitLt")
+    sc = json.loads((sess.store.path("score", sess.score_digest(1)) / "state.json").read_text())
+    assert sc["selected_positions"] > 0
+
+
+def _grads(model_dir, quant, warm):
+    base = models.load(model_dir, ModelCfg(quant=quant), torch.device("cpu"), torch.float32)
+    return base, _lora_grads(base, warm)
+
+
+def _lora_grads(base, warm):
+    s = models.add_lora(base, LoraCfg(r=4, alpha=8), 1)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in s.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    p = lmhead.pack([[1, 5, 6, 7, 8]], [[9, 10, 11]], [[1, 1, 1]], 2, "cpu")
+    if warm:  # what rollout/score do before an update: an eval forward without grad
+        with torch.no_grad():
+            lmhead.hidden(s, p)
+    s.train()
+    h = lmhead.hidden(s, p)
+    torch.nn.functional.linear(h, lmhead.head_weight(s)).logsumexp(-1).sum().backward()
+    return {n: q.grad.clone() for n, q in s.named_parameters() if q.requires_grad}
+
+
+def test_nf4_lora_gradients_equal_the_dequantized_models(work):
+    import bitsandbytes.functional as bf
+
+    sess = session(work)
+    d = sess.model_dir("student")
+    qbase, got = _grads(d, "nf4", warm=True)
+    ref = models.load(d, ModelCfg(), torch.device("cpu"), torch.float32)
+    with torch.no_grad():  # the same weights, dequantized into a plain fp32 model
+        for name, mod in qbase.named_modules():
+            if type(mod).__name__ == "Linear4bit":
+                ref.get_submodule(name).weight.copy_(bf.dequantize_4bit(mod.weight.data, mod.weight.quant_state))
+    want = _lora_grads(ref, warm=False)
+    assert set(got) == set(want)
+    for n in want:
+        assert torch.allclose(got[n], want[n], rtol=1e-3, atol=1e-5), n
+    first = [n for n in want if "layers.0.self_attn.q_proj.lora_A" in n][0]
+    assert want[first].norm() > 0.1  # the earliest adapter gets its gradient through the 4-bit base
+
+
+def test_quant_joins_the_digests_it_changes(work):
+    plain = session(work)
+    s_nf4 = session(work, "student.quant=nf4")
+    t_nf4 = session(work, "teacher.quant=nf4")
+    t_dq = session(work, "teacher.quant=nf4", "teacher.double_quant=true")
+    # a quantized student samples and trains differently
+    assert s_nf4.rollout_digest(1) != plain.rollout_digest(1) and s_nf4.update_digest(1) != plain.update_digest(1)
+    # a quantized teacher scores differently, but the first rollout is reused (cross-run reuse)
+    assert t_nf4.rollout_digest(1) == plain.rollout_digest(1)
+    assert t_nf4.score_digest(1) != plain.score_digest(1) != t_dq.score_digest(1) != t_nf4.score_digest(1)
+    # placement and memory settings change nothing that is computed
+    other = session(work, "memory.placement=resident", "memory.chunk_floor=4", "memory.vram_gib=64")
+    assert other.update_digest(2) == plain.update_digest(2)
+
+
+def test_missing_bitsandbytes_is_a_one_line_error(work, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` now fails
+    sess = session(work, "student.quant=nf4", "memory.placement=resident")
+    with pytest.raises(UserError) as e:
+        models.load(sess.model_dir("student"), sess.cfg.student, sess.device, sess.dtype)
+    assert "bitsandbytes" in str(e.value) and "\n" not in str(e.value)

@@ -53,8 +53,13 @@ def _weight(lin, dtype) -> torch.Tensor:
         w = lin.base_layer.weight.float()
         if not getattr(lin, "disable_adapters", False):
             for name in lin.active_adapters:
-                if name in lin.lora_A:
-                    w = w + lin.get_delta_weight(name).float()
+                if name not in lin.lora_A:
+                    continue
+                if getattr(lin, "fan_in_fan_out", False) or lin.use_dora.get(name, False):
+                    w = w + lin.get_delta_weight(name).float()  # PEFT's general path
+                else:  # plain LoRA: W + s * B @ A in one fused kernel
+                    w = torch.addmm(w, lin.lora_B[name].weight.float(), lin.lora_A[name].weight.float(),
+                                    alpha=lin.scaling[name])
         return w.to(dtype).contiguous()
     return lin.weight.to(dtype)
 

@@ -116,7 +116,8 @@ def run(sess: Session) -> dict:
     out = {"updates": cfg.train.updates, "final_policy": final, "initial_policy": sess.init_digest(),
            "prepared": prepared, "final_loss": rows[-1]["loss"] if rows else None,
            # process-local timings (not part of any identity): session start -> first update published
-           "timings": {**sess.timings, "total_s": round(time.perf_counter() - sess.t0, 4)}}
+           "timings": {**sess.timings, "total_s": round(time.perf_counter() - sess.t0, 4),
+                       "store_seconds": sess.store.seconds}}
     write_json(sess.run_dir / "train.json", out)
     return out
 

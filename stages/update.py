@@ -8,6 +8,7 @@ change the value. Writes the PEFT adapter dir, optimizer.safetensors and state.j
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -212,7 +213,9 @@ def run(sess: Session, k: int) -> Path:
         sess._policy = dig  # the resident student now holds policy k
         sess._opt = (dig, opt, named)  # ...and the resident AdamW its moments (no reload next step)
         if sess._engine:
+            t_r = time.perf_counter()
             sess._engine.refresh()
+            state["engine_refresh_s"] = round(time.perf_counter() - t_r, 4)
         state.update({k2: round(v, 6) for k2, v in stats.items()}, grad_norm=round(float(gn), 6))
         state["kl"] = state["loss"] if cfg.objective.name == "forward_kl_topk" else None
         save_adapter(student, tmp / "adapter", f"opd-store/model/{sess.prepared['student']}")

@@ -94,12 +94,11 @@ def _without(work, reference, stages_: tuple[str, ...]) -> None:
             shutil.rmtree(work.artifacts / "store" / e)
 
 
-@pytest.mark.parametrize("point", ["publish.after_temp_write", "publish.after_manifest", "update.mid",
-                                   "export.before_rename"])
-def test_disk_full_during_publish_leaves_the_store_as_it_was(done, reference, point):
-    _without(done, reference, ("evaluate",))
-    if point == "export.before_rename":
-        _without(done, reference, ())
+@pytest.mark.parametrize("point,resume", [("publish.after_temp_write", True), ("publish.after_manifest", False),
+                                          ("update.mid", False), ("export.before_rename", True)])
+def test_disk_full_during_publish_leaves_the_store_as_it_was(done, reference, point, resume):
+    if not point.startswith("export"):  # export always runs; a store stage must have something to do
+        _without(done, reference, ("evaluate",))
     before = snapshot(done.artifacts)
     r = done.run(env={"OPD_FAULT": f"{point}@enospc"})
     assert r.rc == 75, r
@@ -110,7 +109,11 @@ def test_disk_full_during_publish_leaves_the_store_as_it_was(done, reference, po
     assert store(after) == store(before)  # not one byte more or less in the store
     assert leftovers(done.artifacts) == []  # the half-written temp dir is gone
     changed = {k for k in before.keys() & after.keys() if before[k] != after[k]}
-    assert changed <= {"runs/default/history.csv"}, changed  # the run view at most re-linked in place
-    r = done.run()
-    assert r.rc == 0, r
-    assert differences(done.dir, reference.dir) == []
+    # the run view: re-linked in place; only files that carry timings may have been rewritten
+    assert changed <= {"runs/default/history.csv", "runs/default/train.json"}, changed
+    assert set(before) - set(after) == set()  # the previous export, if any, is still there
+    if resume:
+        r = done.run()
+        assert r.rc == 0, r
+        assert differences(done.dir, reference.dir) == []
+    assert done.bad_reads() == []

@@ -109,6 +109,7 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile_dir:
         raise RuntimeError(f"ours failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     run_dir = work / "artifacts" / "runs" / "default"
     train_json = json.loads((run_dir / "train.json").read_text())
+    (work / "train_first.json").write_text(json.dumps(train_json))
     steps = [json.loads((run_dir / f"step-{k:04d}" / "state.json").read_text()) for k in range(1, w["updates"] + 1)]
     # resume: the same command again; every stage is published, so this is pure resumption overhead
     t = time.perf_counter()
@@ -124,6 +125,7 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile_dir:
         "name": "opd-stages", "materialize_random_weights_s": round(materialize_s, 2),
         # a whole step as the user waits for it (phases + Parquet/adapter IO + publishing), update 1 excluded
         "median_update_s": median(walls[1:]), "median_phase_sum_s": median(update_total), "step_wall_s": walls,
+        "store_seconds_total": train_json["timings"].get("store_seconds"),
         "median_rollout_s": median(per("rollout", "wall_s")), "median_score_s": median(per("score", "wall_s")),
         "median_update_phase_s": median(per("policy", "wall_s")),
         "rollout_tok_per_s": round(resp_tok / median(per("rollout", "wall_s")), 1),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,6 +223,11 @@ NON_NEGATIVE = ("student.keep_layers", "teacher.keep_layers", "rollout.min_new_t
                 "runtime.threads", "optim.weight_decay", "optim.max_grad_norm", "sft.steps", "sft.teacher_steps")
 
 
+# `run` names artifacts/runs/<run> and artifacts/export/<run>: a plain name, so that no config value
+# can make a write land outside the artifacts dir (`run=../../etc`, `run=/tmp/x` are refused)
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
 def _get(cfg: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         cfg = getattr(cfg, part)
@@ -237,10 +243,18 @@ def validate(cfg: Config, source: str = "config") -> Config:
         if not _get(cfg, key) > 0:
             raise UserError(f"{source}: key '{key}' = {_get(cfg, key)!r}; expected a positive number")
     for key in NON_NEGATIVE:
-        if _get(cfg, key) < 0:
+        if not _get(cfg, key) >= 0:  # (NaN too)
             raise UserError(f"{source}: key '{key}' = {_get(cfg, key)!r}; expected >= 0")
     if cfg.rollout.top_p > 1:
         raise UserError(f"{source}: key 'rollout.top_p' = {cfg.rollout.top_p}; expected a value in (0, 1]")
+    for key in ("optim.beta1", "optim.beta2"):  # else torch refuses them mid-run, after work was done
+        if not 0 <= _get(cfg, key) < 1:
+            raise UserError(f"{source}: key '{key}' = {_get(cfg, key)!r}; expected a value in [0, 1)")
+    if not cfg.optim.eps > 0:
+        raise UserError(f"{source}: key 'optim.eps' = {cfg.optim.eps!r}; expected a positive number")
+    if not RUN_NAME.fullmatch(str(cfg.run)):
+        raise UserError(f"{source}: key 'run' = {cfg.run!r}; expected a plain name (letters, digits, '.', '_', "
+                        "'-'; no '/', no leading '.'): it names dirs inside the artifacts dir")
     if cfg.rollout.min_new_tokens > cfg.rollout.max_new_tokens:
         raise UserError(f"{source}: key 'rollout.min_new_tokens' exceeds 'rollout.max_new_tokens'")
     from . import objectives  # registry lives there; imported late to keep config import-light

@@ -28,13 +28,24 @@ def _locate(path: Path, step: int | None) -> tuple[Path, Path | None]:
     return path, sc if sc.exists() else None
 
 
+def _unique_uids(t, path: Path) -> None:
+    """Scores are joined to trajectories by uid: a repeated one would pair the wrong rows."""
+    seen: set = set()
+    for u in t.column("uid").to_pylist():
+        if u in seen:
+            raise UserError(f"{path}: duplicate uid {u!r} (each trajectory needs its own)")
+        seen.add(u)
+
+
 def trajectories(path: Path, step: int | None = None) -> list[dict]:
     ro_path, sc_path = _locate(path, step)
     ro = tables.read(ro_path, {"uid": None, "response_ids": None, "sample_logprobs": None})
+    _unique_uids(ro, ro_path)
     lps = tables.lists(ro, "sample_logprobs")
     teacher = {}
     if sc_path:
         sc = tables.read(sc_path, {"uid": None, "teacher_logprobs": None})
+        _unique_uids(sc, sc_path)
         teacher = dict(zip(sc.column("uid").to_pylist(), tables.lists(sc, "teacher_logprobs")))
     tok = _tokenizer(ro_path)
     out = []

@@ -5,7 +5,8 @@ the settings that would make it fit. `--probe` (CUDA) puts measured peaks beside
 
 What each phase holds (steady state, step >= 2; bytes; s = bytes of the compute dtype):
   rollout  student weights + LoRA (fp32) + the engine's weights (s) + static KV cache
-           2 * layers * B * kv_heads * (prompt_bucket + max_new) * head_dim * s + prefill
+           2 * layers * B * kv_heads * (prompt_bucket + max_new) * head_dim * s (with CUDA graphs
+           twice: the captured step's static copy stays, each call prefills a fresh one) + prefill
            activations B * P * (2H + 3I) * s + attention scores + sampling buffers [B, V] fp32
   score    teacher weights + forward activations t * max(2H + 3I, 2H + 5 q_dim) * s + hidden
            states + one chunk of logits: 3 * chunk * V * 4 (log_softmax, exp, product for entropy)
@@ -164,8 +165,10 @@ def _label(quant: str, dq: bool, dtype: str) -> str:
     return {"none": dtype, "nf4": "nf4 + double quant" if dq else "nf4", "int8": "int8"}[quant]
 
 
-def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int]]]:
-    """(role, component, bytes) held during each phase under `placement`."""
+def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]]:
+    """(role, component, bytes, alt) held during each phase under `placement`. Items with alt=True
+    happen one after another within the phase (e.g. forward activations, then a logits chunk): only
+    the largest of them counts toward the phase's peak (`total`)."""
     cfg, S, T, s = x.cfg, x.S, x.T, x.s
     w = workload(x)
     B, P, Pb, N, t = w["sequences"], w["prompt_tokens"], w["prompt_bucket"], w["new_tokens"], w["tokens"]
@@ -175,57 +178,68 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int]]]:
     sq, tq = cfg.student.quant, cfg.teacher.quant
     sdq, tdq = getattr(cfg.student, "double_quant", False), getattr(cfg.teacher, "double_quant", False)
     lora = lora_params(S, cfg.lora) * 4
-    stud = [("student", f"weights ({_label(sq, sdq, x.dtype)})", weight_bytes(S, sq, sdq, s)),
-            ("student", "LoRA (fp32)", lora), ("student", "LoRA grads (fp32, kept from the last update)", lora),
-            ("student", "AdamW moments (2 x fp32, resident between steps)", 2 * lora)]
+    stud = [("student", f"weights ({_label(sq, sdq, x.dtype)})", weight_bytes(S, sq, sdq, s), False),
+            ("student", "LoRA (fp32)", lora, False),
+            ("student", "LoRA grads (fp32, kept from the last update)", lora, False),
+            ("student", "AdamW moments (2 x fp32, resident between steps)", 2 * lora, False)]
+    L = Pb + N
+    kv = 2 * S.layers * B * S.kv_heads * L * S.head_dim * s
+    pick = B * V * (s + 16 + (21 if cfg.rollout.top_p < 1 else 0))  # head output + fp32 logits/logp/probs/cdf
+    gqa = 2 * B * S.heads * L * S.head_dim * s if S.heads != S.kv_heads else 0  # math SDPA repeats k/v
     eng = [("student", "rollout engine weights (fused q/k/v, gate/up; merged LoRA)",
-            engine_copy_bytes(S, cfg.lora, s))] if x.engine else []
-    teach = [("teacher", "weights: the student's base (shared, counted once)", 0)] if shared else \
-        [("teacher", f"weights ({_label(tq, tdq, x.dtype)})", weight_bytes(T, tq, tdq, s))]
+            engine_copy_bytes(S, cfg.lora, s), False)] if x.engine else []
+    if x.engine and w["cuda_graphs"]:  # the captured decode step keeps its static state and pool
+        eng.append(("student", f"captured decode graph: static KV cache [{S.layers}, {B}, {S.kv_heads}, {L}, "
+                    f"{S.head_dim}] x2 + pool", kv + pick + gqa + B * (2 * S.hidden + 3 * S.inter) * s, False))
+    teach = [("teacher", "weights: the student's base (shared, counted once)", 0, False)] if shared else \
+        [("teacher", f"weights ({_label(tq, tdq, x.dtype)})", weight_bytes(T, tq, tdq, s), False)]
     out: dict[str, list] = {}
 
-    ro = stud + (eng if x.engine else []) + ([] if moves else teach)
+    ro = stud + eng + ([] if moves else teach)
     if x.engine:
-        L = Pb + N
         if moves:  # the engine is rebuilt inside each rollout: fp32 scratch of one merge
             big = max(i * o for i, o in S.proj().values())
-            ro.append(("student", "engine build scratch (fp32 merge of one projection)", 3 * big * 4))
-        ro += [("student", f"static KV cache [{S.layers}, {B}, {S.kv_heads}, {L}, {S.head_dim}] x2",
-                2 * S.layers * B * S.kv_heads * L * S.head_dim * s),
+            ro.append(("student", "engine build scratch (fp32 merge of one projection)", 3 * big * 4, True))
+        ro += [("student", f"KV cache of this call [{S.layers}, {B}, {S.kv_heads}, {L}, {S.head_dim}] x2"
+                + (" (copied into the graph's)" if w["cuda_graphs"] else ""), kv, False),
                ("student", f"prefill activations ({B} x {Pb} tokens) + attention scores",
-                B * Pb * (2 * S.hidden + 3 * S.inter) * s + 2 * B * S.heads * Pb * L * 4),
-               ("student", "sampling buffers [B, V] fp32" + (" (live + graph pool)" if w["cuda_graphs"] else ""),
-                B * V * (s + 16 + (21 if cfg.rollout.top_p < 1 else 0)) * (2 if w["cuda_graphs"] else 1))]
+                B * Pb * (2 * S.hidden + 3 * S.inter) * s + 2 * B * S.heads * Pb * L * 4 + gqa, True),
+               ("student", "sampling buffers [B, V] fp32", pick, True)]
     else:  # transformers fallback: dynamic cache, LoRA unmerged, logits of every prompt position
         ro += [("student", f"KV cache (dynamic) [{S.layers}, {B}, {S.kv_heads}, {P + N}, {S.head_dim}] x2",
-                2 * S.layers * B * S.kv_heads * (P + N) * S.head_dim * s),
-               ("student", f"prefill activations + logits [{B}, {P}, {V}]",
-                forward_bytes(S, B * P, s) + B * P * V * s),
-               ("student", "sampling buffers [B, V] fp32", B * V * (s + 16)),
-               ("student", "quantized matmul scratch", dequant_bytes(S, sq, B * P, s))]
+                2 * S.layers * B * S.kv_heads * (P + N) * S.head_dim * s, False),
+               ("student", f"prefill logits [{B}, {P}, {V}]", B * P * V * s, False),
+               ("student", f"prefill activations ({B} x {P} tokens)", forward_bytes(S, B * P, s), True),
+               ("student", "sampling buffers [B, V] fp32", pick, True),
+               ("student", "quantized matmul scratch", dequant_bytes(S, sq, B * P, s), False)]
     out["rollout"] = ro
 
     sc = ([] if moves else stud + eng) + teach
     tquant = sq if shared else tq
-    sc += [("teacher", f"forward activations ({t} tokens)", forward_bytes(T, t, s)),
-           ("teacher", f"hidden states [{t}, H] + selected [{n}, H]", (t + n) * T.hidden * s),
-           ("teacher", f"logits chunk [{c}, {V}] fp32 x3 (log_softmax, exp, entropy term)", 3 * c * V * 4),
-           ("teacher", "log-probs, entropy, top-k ids and log-probs", n * (8 + 12 * k)),
-           ("teacher", "quantized matmul scratch", dequant_bytes(T, tquant, t, s))]
+    sc += [("teacher", f"forward activations ({t} tokens) + last hidden states [{t}, H]",
+            forward_bytes(T, t, s) + t * T.hidden * s, True),
+           ("teacher", f"logits chunk [{c}, {V}] fp32 x3 (log_softmax, exp, entropy term)", 3 * c * V * 4, True),
+           ("teacher", f"selected hidden states [{n}, H]", n * T.hidden * s, False),
+           ("teacher", "log-probs, entropy, top-k ids and log-probs", n * (8 + 12 * k), False),
+           ("teacher", "quantized matmul scratch", dequant_bytes(T, tquant, t, s), False)]
     out["score"] = sc
 
     full = "full" in _needs(cfg)
     up = stud + ([] if moves else eng + teach)
     up += [("student", f"saved activations ({t} tokens x {S.layers} layers)",
-            t * (S.layers * saved_per_token_layer(S, cfg.lora, s) + 4 * S.hidden)),
-           ("student", "backward scratch (one layer)", t * (2 * S.hidden + 3 * S.inter) * 4),
-           ("student", f"loss chunk [{c}, {V}] fp32 x4" + (" + teacher logits" if full else ""),
-            (5 if full else 4) * c * V * 4),
-           ("student", f"hidden-state grad [{n}, H]", n * S.hidden * s),
-           ("student", "quantized matmul scratch", dequant_bytes(S, sq, t, s))]
+            t * (S.layers * saved_per_token_layer(S, cfg.lora, s) + 4 * S.hidden), False),
+           ("student", f"loss chunk [{c}, {V}] fp32 x4" + (" + teacher logits" if full else "")
+            + f" + hidden-state grad [{n}, H]", (5 if full else 4) * c * V * 4 + n * S.hidden * s, True),
+           ("student", "backward scratch (one layer)", t * (2 * S.hidden + 3 * S.inter) * 4, True),
+           ("student", "quantized matmul scratch", dequant_bytes(S, sq, t, s), False)]
     out["update"] = up
 
     return {ph: [i for i in items if i[2] or "shared" in i[1]] for ph, items in out.items()}
+
+
+def phase_total(items) -> int:
+    """Held items add up; of the one-after-another (alt) items only the largest counts."""
+    return sum(b for *_, b, alt in items if not alt) + max((b for *_, b, alt in items if alt), default=0)
 
 
 def _needs(cfg) -> set:
@@ -274,7 +288,7 @@ def _evaluate(x: Ctx) -> dict:
             res[p] = {"refused": why}
             continue
         ph = phases(x, p)
-        tot = {name: sum(b for *_, b in items) for name, items in ph.items()}
+        tot = {name: phase_total(items) for name, items in ph.items()}
         worst = max(tot, key=tot.get)
         res[p] = {"phases": ph, "totals": tot, "peak": tot[worst], "peak_phase": worst}
     return res
@@ -438,8 +452,8 @@ def estimate(cfg, shapes: dict | None = None) -> dict:
         placements[p] = {
             "peak_gib": _gib(r["peak"]), "peak_phase": r["peak_phase"], "feasible": r["peak"] <= usable,
             "phases": {ph: {"total_gib": _gib(r["totals"][ph]),
-                            "items": [{"role": ro, "component": what, "gib": _gib(b), "bytes": int(b)}
-                                      for ro, what, b in items]}
+                            "items": [{"role": ro, "component": what, "gib": _gib(b), "bytes": int(b), "one_at_a_time": alt}
+                                      for ro, what, b, alt in items]}
                        for ph, items in r["phases"].items()}}
     notes = ["steady state (step >= 2): step 1 has no LoRA grads, Adam moments or (rollout) teacher yet",
              "after each update the engine re-merges in place, one projection at a time (fp32 scratch)",
@@ -508,11 +522,14 @@ def render(est: dict, console=None) -> None:
         t.add_column("measured GiB", justify="right")
     for ph, d in est["phases"].items():
         for i, it in enumerate(d["items"]):
-            t.add_row(ph if i == 0 else "", it["role"], it["component"], f"{it['gib']:.4f}", *([""] if probe else []))
+            what = ("[dim]one of:[/] " if it["one_at_a_time"] else "") + it["component"]
+            t.add_row(ph if i == 0 else "", it["role"], what, f"{it['gib']:.4f}", *([""] if probe else []))
         meas = probe.get(ph, {}).get("peak_allocated_gib")
         t.add_row("", "", f"[bold]{ph} total[/]", f"[bold]{d['total_gib']:.4f}[/]",
                   *([f"{meas:.4f}" if meas is not None else "-"] if probe else []), end_section=True)
     console.print(t)
+    console.print("  one of: transients that come one after another within the phase; only the largest counts",
+                  style="dim")
     for p, r in est["placements"].items():
         console.print(f"  {p:16s} " + (f"refused: {r['refused']}" if "refused" in r else
                                         f"peak {r['peak_gib']:.3f} GiB ({r['peak_phase']})"

@@ -75,12 +75,15 @@ def run(sess: Session, k: int) -> Path:
             out = sample(sess, student, pids, cfg.rollout.max_new_tokens, seed_of(dig),
                          min_new=cfg.rollout.min_new_tokens)
             ph["tokens"] = int(out.lengths.sum())
-        rows = []
+        rows, seen = [], {}
         for b, i in enumerate(idx):
             n = int(out.lengths[b])
             resp = out.tokens[b, :n].tolist()
+            # j-th sample of prompt i in this batch: b % n, unless the batch spans an epoch boundary
+            # and holds prompt i twice (then n.. 2n-1): uids stay unique
+            j = seen[i] = seen.get(i, -1) + 1
             rows.append({
-                "uid": f"s{k:04d}-p{i:05d}-{b % cfg.rollout.n}", "step": k, "policy_version": k - 1,
+                "uid": f"s{k:04d}-p{i:05d}-{j}", "step": k, "policy_version": k - 1,
                 "prompt_index": i, "data_source": sources[i], "prompt_ids": pids[b], "response_ids": resp,
                 "response_mask": [1] * n, "sample_logprobs": out.logprobs[b, :n].tolist(),
                 "finish_reason": "stop" if bool(out.finished[b]) else "length",

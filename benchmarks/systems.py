@@ -69,7 +69,8 @@ def exact_prompts(tok, n: int, length: int, seed: int = 0) -> list[list[dict]]:
 
 
 # ---------------------------------------------------------------- ours, workload (a): the pipeline
-def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile_dir: Path | None = None) -> dict:
+def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile_dir: Path | None = None,
+                  extra: tuple[str, ...] = (), name: str = "opd-stages") -> dict:
     import pyarrow as pa
     from transformers import AutoTokenizer
 
@@ -92,7 +93,7 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile_dir:
         f"data.max_prompt_tokens={w['prompt_tokens']}", f"rollout.batch_size={w['prompts']}",
         f"rollout.max_new_tokens={w['response']}", f"rollout.min_new_tokens={w['response']}",
         f"objective.topk={w['topk']}", f"train.updates={w['updates']}", "runtime.device=cuda",
-        f"artifacts={work / 'artifacts'}", "eval.max_new_tokens=8",
+        f"artifacts={work / 'artifacts'}", "eval.max_new_tokens=8", f"run={name}", *extra,
     ]
     params = work / "params.yaml"
     cfg = config.compose(overrides)
@@ -107,9 +108,9 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile_dir:
     train_proc_s = time.perf_counter() - t
     if r.returncode:
         raise RuntimeError(f"ours failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    run_dir = work / "artifacts" / "runs" / "default"
+    run_dir = work / "artifacts" / "runs" / name
     train_json = json.loads((run_dir / "train.json").read_text())
-    (work / "train_first.json").write_text(json.dumps(train_json))
+    (work / f"train_first-{name}.json").write_text(json.dumps(train_json))
     steps = [json.loads((run_dir / f"step-{k:04d}" / "state.json").read_text()) for k in range(1, w["updates"] + 1)]
     # resume: the same command again; every stage is published, so this is pure resumption overhead
     t = time.perf_counter()
@@ -122,7 +123,7 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile_dir:
     pos = w["prompts"] * w["response"]
     walls = train_json["timings"].get("step_wall_s", [])
     out = {
-        "name": "opd-stages", "materialize_random_weights_s": round(materialize_s, 2),
+        "name": name, "settings": list(extra), "materialize_random_weights_s": round(materialize_s, 2),
         # a whole step as the user waits for it (phases + Parquet/adapter IO + publishing), update 1 excluded
         "median_update_s": median(walls[1:]), "median_phase_sum_s": median(update_total), "step_wall_s": walls,
         "store_seconds_total": train_json["timings"].get("store_seconds"),
@@ -240,7 +241,7 @@ def ours_blocks(w: dict) -> dict:
 def trl_peer(w: dict, work: Path, python: str) -> dict:
     """TRL 1.16 DistillationTrainer on the same model dirs and prompts, in a fresh process."""
     store = work / "artifacts" / "store" / "model"
-    prep = json.loads((work / "artifacts" / "runs" / "default" / "prepare.json").read_text())
+    prep = json.loads((work / "artifacts" / "runs" / "opd-stages" / "prepare.json").read_text())
     spec = {"student": str(store / prep["student"]), "teacher": str(store / prep["teacher"]),
             "prompts": str(work / "prompts.parquet"), "n_prompts": w["prompts"], "response": w["response"],
             "updates": w["updates"], "out": str(work / "trl.json")}
@@ -304,12 +305,16 @@ def main(argv=None) -> int:
     peers = [p for p in args.peers.split(",") if p]
     if args.workload in ("a", "all"):
         systems = [ours_pipeline(WORKLOAD_A, work, args.tokenizer, sys.executable, args.profile)]
+        # the same pipeline trading one extra forward for update-phase memory
+        systems.append(ours_pipeline(WORKLOAD_A, work, args.tokenizer, sys.executable, None,
+                                     ("train.activation_checkpointing=true",), "opd-stages-ckpt"))
         if "trl" in peers:
             systems.append(trl_peer(WORKLOAD_A, work, sys.executable))
         if "miniverl" in peers:
             systems.append(miniverl_peer())
         ours = systems[0]["median_update_s"]
-        ratios = {s["name"]: round(s["median_update_s"] / ours, 2) for s in systems[1:] if s.get("median_update_s")}
+        ratios = {s["name"]: round(s["median_update_s"] / ours, 2) for s in systems[1:]
+                  if s.get("median_update_s") and not s["name"].startswith("opd-stages")}
         result["workloads"]["a"] = {"shape": WORKLOAD_A, "systems": systems, "ratios": ratios}
         print(json.dumps(result["workloads"]["a"], indent=1), flush=True)
     if args.workload in ("b", "all"):

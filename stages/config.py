@@ -114,6 +114,9 @@ class TrainCfg:
     updates: int = 8
     chunk: int = 256  # positions per LM-head/loss chunk
     seed: int = 0
+    # recompute each decoder layer's activations in the backward instead of keeping them: less
+    # update-phase memory for one extra forward
+    activation_checkpointing: bool = False
 
 
 @dataclass

@@ -55,9 +55,10 @@ def trajectories(path: Path, step: int | None = None) -> list[dict]:
         s = lps[i]
         gap = (t - s) if t is not None else None
         pieces = [tok.decode([x]) for x in row["response_ids"]] if tok else [str(x) for x in row["response_ids"]]
+        scored = None if gap is None else np.isfinite(gap)  # position selection leaves NaN where unscored
         out.append({**row, "tokens": pieces, "sample_logprobs": s.tolist(),
-                    "teacher_logprobs": None if t is None else t.tolist(),
-                    "mean_gap": None if gap is None or not len(gap) else float(np.abs(gap).mean())})
+                    "teacher_logprobs": None if t is None else [float(x) if np.isfinite(x) else None for x in t],
+                    "mean_gap": None if gap is None or not scored.any() else float(np.abs(gap[scored]).mean())})
     return out
 
 
@@ -99,11 +100,12 @@ def main(args) -> None:
             con.print(r.get(f"{label}_text", ""), markup=False, highlight=False)
         t = Table("pos", "token", "sampled logp", "teacher logp", "gap")
         teacher = r["teacher_logprobs"]
-        gaps = [abs(a - b) for a, b in zip(teacher, r["sample_logprobs"])] if teacher else []
+        gaps = [abs(a - b) if a is not None else -1.0 for a, b in zip(teacher, r["sample_logprobs"])] if teacher else []
         worst = set(np.argsort(gaps)[-3:].tolist()) if gaps else set()
         for j, piece in enumerate(r["tokens"]):
-            tl = f"{teacher[j]:.3f}" if teacher else "-"
-            g = f"{teacher[j] - r['sample_logprobs'][j]:+.3f}" if teacher else "-"
+            scored = bool(teacher) and teacher[j] is not None  # None: not a selected position
+            tl = f"{teacher[j]:.3f}" if scored else "-"
+            g = f"{teacher[j] - r['sample_logprobs'][j]:+.3f}" if scored else "-"
             style = "bold red" if j in worst else None
             t.add_row(str(j), repr(piece), f"{r['sample_logprobs'][j]:.3f}", tl, g, style=style)
         con.print(t)

@@ -111,8 +111,8 @@ def materialize(mcfg: ModelCfg, out: Path, seed: int, tokenizer_dir: Path | None
             model = AutoModelForCausalLM.from_pretrained(p, dtype="auto",
                                                          trust_remote_code=mcfg.trust_remote_code)
             tok = AutoTokenizer.from_pretrained(p, trust_remote_code=mcfg.trust_remote_code)
-        except (OSError, ValueError) as e:
-            raise UserError(f"model '{name}': cannot load ({str(e).splitlines()[0]})") from None
+        except Exception as e:  # OSError, ValueError, SafetensorError (truncated weights), size mismatches
+            raise UserError(f"model '{name}': cannot load ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
     if mcfg.keep_layers:
         prune_layers(model, mcfg.keep_layers)
     model.generation_config.do_sample = False  # ours samples itself; keep HF's config free of warnings

@@ -124,6 +124,10 @@ def run(sess: Session) -> dict:
     teacher = model_digest(sess, cfg.teacher, "teacher")
     # The checks and records below are a pure function of the models and the data settings, so they
     # are a stage too: a resumed run reads the record back instead of reloading both tokenizers.
+    for key in ("data.path", "data.eval_path"):
+        path = getattr(cfg.data, key.split(".")[1])
+        if path is not None and not Path(path).is_file():
+            raise UserError(f"{path}: Parquet file not found (key '{key}')")
     files = {"rows": file_hash(cfg.data.path) if cfg.data.path else file_hash(prompts.SEEDS)}
     if cfg.data.eval_path:
         files["eval_rows"] = file_hash(cfg.data.eval_path)

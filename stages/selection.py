@@ -57,7 +57,8 @@ def token_spans(tok, response_ids, patterns: list[str]) -> np.ndarray:
     if not ids or not patterns:
         return out
     text = tok.decode(ids)
-    matches = [(m.start(), m.end()) for pat in patterns for m in re.finditer(pat, text, re.DOTALL) if m.end() > m.start()]
+    matches = [(m.start(), m.end()) for pat in patterns for m in re.finditer(pat, text, re.DOTALL)
+               if m.end() > m.start()]
     if not matches:
         return out
     ends = [len(tok.decode(ids[:i + 1])) for i in range(len(ids))]

@@ -52,6 +52,8 @@ class Session:
 
             _ = self.placement  # decided (or refused) before any weights load
             base = models.load(self.model_dir("student"), self.cfg.student, self.device, self.dtype)
+            if self.cfg.train.activation_checkpointing:  # only active in train() mode, i.e. the update
+                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self._student = models.add_lora(base, self.cfg.lora, seed_of(self.init_digest()))
         memory.ensure_on_device(self, "student")
         return self._student
@@ -197,7 +199,8 @@ class Session:
     def update_digest(self, k: int) -> str:
         key = ("update", k)
         if key not in self._digests:
-            s = slice_of(self.cfg, "objective", "optim", "lora", "train.chunk", "rollout.temperature")
+            s = slice_of(self.cfg, "objective", "optim", "lora", "train.chunk", "rollout.temperature",
+                         "train.activation_checkpointing")
             s.update(step=k, runtime=self.runtime_slice())
             s.update(self.quant_slice("student"))
             self._digests[key] = digest("update", VERSIONS["update"], s, {

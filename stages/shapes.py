@@ -1,6 +1,7 @@
-"""Model shapes without weights: the numbers `opd plan` needs (hidden size, layers, heads, vocab,
-tied embeddings) from a model's config file only: conf/arch/NAME.json, a Hugging Face directory's
-config.json (local dir or the local hub cache), or the embedded model's GGUF header.
+"""Model shapes without weights, and the bytes of their parts: the numbers `opd plan` needs (hidden
+size, layers, heads, vocab, tied embeddings) from a model's config file only: conf/arch/NAME.json,
+a Hugging Face directory's config.json (local dir or the local hub cache), or the embedded model's
+GGUF header.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from . import models
 from .errors import UserError
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+NF4_BLOCK = 64  # bitsandbytes 4-bit: one absmax per 64 weights (fp32; uint8 + 1/256 fp32 with double quant)
 
 # ---- model shapes, weight-free ----
 
@@ -175,3 +177,89 @@ def shape_of(mcfg, role: str) -> Shape:
                  head_dim=conf.get("head_dim") or conf["hidden_size"] // heads,
                  tied=bool(conf.get("tie_word_embeddings", False)), qk_norm=mtype.startswith("qwen3"),
                  attn_bias=bool(conf.get("attention_bias", mtype == "qwen2")))
+
+
+# ---- bytes of each component ----
+
+def weight_bytes(sh: Shape, quant: str, double_quant: bool, s: int) -> int:
+    """Weights as loaded: linear layers of the decoder in `quant`, everything else in the compute dtype
+    (transformers never quantizes embeddings, norms or the output head)."""
+    lin = sh.layers * sh.linear_params()
+    if quant == "nf4":
+        absmax = lin / NF4_BLOCK * ((1 + 4 / 256) if double_quant else 4)
+        return int(lin * 0.5 + absmax) + sh.other_params() * s
+    if quant == "int8":  # LLM.int8: int8 weights + one fp32 scale per output row
+        rows = sh.layers * sum(o for _, o in sh.proj().values())
+        return lin + 4 * rows + sh.other_params() * s
+    return (lin + sh.other_params()) * s
+
+
+def targets(sh: Shape, lora) -> list[str]:
+    t = [m for m in lora.target_modules if m in PROJ or m == "lm_head"]
+    if not t:
+        raise UserError(f"key 'lora.target_modules' = {list(lora.target_modules)}: none is a projection of a "
+                        f"{sh.model_type} model ({', '.join(PROJ)}, lm_head)")
+    return t
+
+
+def lora_params(sh: Shape, lora) -> int:
+    tg, proj = targets(sh, lora), sh.proj()
+    n = sh.layers * sum(lora.r * (i + o) for name, (i, o) in proj.items() if name in tg)
+    return n + (lora.r * (sh.hidden + sh.vocab) if "lm_head" in tg else 0)
+
+
+# sampler.sampling_weights concatenates q/k/v and gate/up (one matmul each per decode step): new tensors
+FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def engine_copy_bytes(sh: Shape, lora, s: int) -> int:
+    """The engine's own weights: q/k/v and gate/up fused (always a copy) plus a merged (base + LoRA
+    delta) copy of o_proj/down_proj/lm_head where LoRA targets them; the rest is shared, not copied."""
+    tg, proj = targets(sh, lora), sh.proj()
+    n = sh.layers * sum(i * o for name, (i, o) in proj.items() if name in FUSED or name in tg)
+    return (n + (sh.vocab * sh.hidden if "lm_head" in tg else 0)) * s
+
+
+def saved_per_token_layer(sh: Shape, lora, s: int) -> int:
+    """Bytes autograd keeps per token and decoder layer for the LoRA backward (no checkpointing).
+
+    Two RMSNorms keep an fp32 copy of their input (8H); SDPA keeps q and k, v repeated to all heads
+    (transformers repeats them under a padding mask) and its output (4 q_dim s); the MLP keeps gate,
+    act(gate) and up (3I s); Qwen3's q/k norms keep fp32 copies. Each LoRA layer keeps its input in
+    fp32 (PEFT casts the input to the fp32 adapter's dtype: with a bf16 base every targeted
+    projection makes its own copy; in fp32 the inputs are shared tensors) and lora_A's output [r]."""
+    H, I, qd, r = sh.hidden, sh.inter, sh.q_dim, lora.r
+    b = 8 * H + 4 * qd * s + 3 * I * s
+    b += (qd + sh.kv_dim) * 4 if sh.qk_norm else 0
+    inputs = {"q_proj": ("attn_in", H), "k_proj": ("attn_in", H), "v_proj": ("attn_in", H),
+              "o_proj": ("attn_out", qd), "gate_proj": ("mlp_in", H), "up_proj": ("mlp_in", H),
+              "down_proj": ("mlp_mid", I)}
+    seen: set[str] = set()
+    for name in targets(sh, lora):
+        if name not in inputs:
+            continue
+        key, width = inputs[name]
+        b += 4 * r
+        if s != 4:
+            b += 4 * width
+        elif key != "attn_out" and key not in seen:  # fp32 attn_out is SDPA's own (kept) output
+            b += 4 * width
+            seen.add(key)
+    return b
+
+
+def forward_bytes(sh: Shape, tokens: int, s: int) -> int:
+    """Peak transient of a no-grad forward: one layer's residual + normed input + its MLP
+    (act(gate), up, product) or attention (q, k, v repeated, output), whichever is larger."""
+    return tokens * max(2 * sh.hidden + 3 * sh.inter, 2 * sh.hidden + 5 * sh.q_dim) * s
+
+
+def dequant_bytes(sh: Shape, quant: str, tokens: int, s: int) -> int:
+    """A quantized matmul's scratch: NF4 dequantizes one projection to the compute dtype; int8 holds an
+    int32 output."""
+    big = max(i * o for i, o in sh.proj().values())
+    if quant == "nf4":
+        return big * s
+    if quant == "int8":
+        return tokens * max(o for _, o in sh.proj().values()) * 4
+    return 0

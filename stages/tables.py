@@ -74,7 +74,7 @@ def read(path: Path, required: dict[str, pa.DataType] | None = None) -> pa.Table
     if not Path(path).is_file():
         raise UserError(f"{path}: Parquet file not found")
     try:
-        t = pq.read_table(path)
+        t = pq.ParquetFile(path).read()  # read_table goes through dataset discovery: ~30x slower per small file
     except (pa.ArrowInvalid, OSError) as e:
         raise UserError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
     for col, typ in (required or {}).items():

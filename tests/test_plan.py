@@ -283,3 +283,11 @@ def test_plan_within_15_percent_of_measured_on_the_seed_shapes(tmp_path, monkeyp
     ratios = {ph: r["ratio"] for ph, r in data["probe"]["phases"].items()}
     peak = max(r["peak_allocated_gib"] for r in data["probe"]["phases"].values())
     assert abs(data["peak_gib"] / peak - 1) <= 0.15, (data["peak_gib"], peak, ratios)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_probe_without_cuda_is_one_line_exit_2(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    code, out, err = run_cli(capsys, *TINY, "--probe")
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "--probe measures on CUDA" in err, err

@@ -24,6 +24,8 @@ import os
 import shutil
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from .. import rewards, tables
 from ..errors import UserError
 from ..store import write_json
@@ -187,8 +189,6 @@ def export(sess, out: Path) -> Path:
         prompts = sess.store.path("prompts", sess.prepared["prompts"])
         for src, name in (("train.parquet", "train.parquet"), ("eval.parquet", "test.parquet")):
             t = tables.read(prompts / src)
-            import pyarrow.parquet as pq
-
             pq.write_table(t.replace_schema_metadata(None), tmp / "data" / name, compression="zstd")
         (tmp / "reward.py").write_text(reward_source())
         overrides, deviations = verl_overrides(cfg, out)

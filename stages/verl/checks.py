@@ -103,7 +103,8 @@ def forward(tmp: Path, cfg) -> dict:
         return _ok(f"base + adapter loaded with PEFT; CPU forward on {len(ids)} prompt tokens gave finite "
                    f"logits over {logits.shape[-1]} ids")
     except Exception as e:
-        return _fail(f"base + adapter do not load or run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        first = str(e).splitlines()[0] if str(e) else ""
+        return _fail(f"base + adapter do not load or run: {type(e).__name__}: {first}")
 
 
 def tokenizer(tmp: Path, prepared: dict) -> dict:

@@ -31,10 +31,12 @@ def cmd_plan(args) -> None:
         return
     if not args.config:
         raise UserError("opd plan --profile: --config FILE|builtin:PAIR is required")
+    if getattr(args, "params", None):
+        raise UserError("opd plan --profile: the profile composes the config; --params cannot be combined with it")
     from . import planfile
 
     plan = planfile.make(args.profile, args.config, args.set or [], args.accept or [], args.overrides or [],
-                         _conf_dir())
+                         _conf_dir(), probe=bool(getattr(args, "probe", False)))
     out = planfile.write(plan, Path(args.out or "plan.json"))
     c = plan["mapping"]["counts"]
     mem = plan["memory"]

@@ -142,7 +142,8 @@ def map_profile(profile: str, config: str, sets: list[str] | None = None,
         for key in _drop_plumbing(_flat(tree)):
             source[key] = name
     for key, src in source.items():  # unknown fields first: a typo must not be classified as anything
-        if src != "default" and fields.known(key) is None and not key.startswith("distillation.teacher_models."):
+        other_teacher = key.startswith("distillation.teacher_models.") and key.split(".")[2] != "teacher_model"
+        if src != "default" and fields.known(key) is None and not other_teacher:  # other teachers: unsupported
             raise UserError(f"{_where(src, config)}: unknown verl field '{key}' (not in verl {fields.VERL_VERSION}'s "
                             "config; see docs/compat.md)")
     try:

@@ -2,9 +2,10 @@
 
 The plan records what was asked (profile, config, --set, --accept, our overrides), what it maps to
 (our Hydra overrides and the resolved config) and, when the weight-free memory planner exists
-(stages/plan.py, issue 5), its estimate; an infeasible estimate is written, then refused. `digest` is the sha256 of the canonical JSON of everything
-else, so `opd run --plan` refuses a plan edited after planning; it also recomposes the config from
-the recorded overrides and refuses to run if conf/ has changed since (the plan would be stale).
+(stages/plan.py, issue 5), its estimate; an infeasible estimate is written, then refused. `digest`
+is the sha256 of the canonical JSON of everything else, so `opd run --plan` refuses a plan edited
+after planning; it also recomposes the config from the recorded overrides and refuses to run if
+conf/ has changed since (the plan would be stale).
 """
 from __future__ import annotations
 
@@ -42,12 +43,16 @@ def memory_plan(cfg) -> Optional[dict]:
 
 
 def make(profile: str, config: str, sets: list[str], accept: list[str], overrides: list[str],
-         conf_dir: Optional[Path] = None) -> dict:
+         conf_dir: Optional[Path] = None, probe: bool = False) -> dict:
     mapped, report = mapping.map_profile(profile, config, sets, accept)
     all_overrides = mapped + list(overrides)
     cfg = config_mod.compose(all_overrides, conf_dir)
     mem = memory_plan(cfg)
     _check_vocab(cfg, mem, report)
+    if probe and mem is not None and mem.get("feasible", True):  # measured peaks beside the estimate (CUDA)
+        from .. import probe as memory_probe
+
+        mem["probe"] = memory_probe.run(cfg, mem)
     plan = {
         "schema": SCHEMA,
         "profile": profile,

@@ -45,7 +45,8 @@ ONE = only(1)
 NULL = only(None)
 FALSE = only(False)
 POS_INT = Allow("a positive integer", lambda v, ctx: isinstance(v, int) and not isinstance(v, bool) and v > 0)
-SET = Allow("a model set by the config (not null, not verl's placeholder)", lambda v, ctx: v not in (None, "???", "~/models/deepseek-llm-7b-chat"))
+PLACEHOLDERS = (None, "???", "~/models/deepseek-llm-7b-chat")  # verl's defaults name no real model
+SET = Allow("a model set by the config (not null, not verl's placeholder)", lambda v, ctx: v not in PLACEHOLDERS)
 
 
 @dataclass(frozen=True)

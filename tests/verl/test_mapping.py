@@ -100,6 +100,8 @@ def test_unsupported_values_fail_closed_naming_the_field(sets, field):
 def test_unknown_verl_field_and_unknown_profile():
     _fails("verl-opd-v0.8-single-gpu-v1", EMBEDDED, ["data.max_prompt_lenght=64"],
            match=r"unknown verl field 'data.max_prompt_lenght'")
+    _fails("verl-opd-v0.8-single-gpu-v1", EMBEDDED, ["distillation.teacher_models.teacher_model.model_pth=x"],
+           match=r"unknown verl field 'distillation.teacher_models.teacher_model.model_pth'")
     _fails("verl-opd-v9", EMBEDDED, match=r"unknown profile 'verl-opd-v9'")
     _fails("verl-opd-v0.8-single-gpu-v1", "builtin:nope", match=r"builtin:nope")
 

@@ -11,8 +11,9 @@ What each phase holds (steady state, step >= 2; bytes; s = bytes of the compute 
   score    teacher weights + forward activations t * max(2H + 3I, 2H + 5 q_dim) * s + hidden
            states + one chunk of logits: 3 * chunk * V * 4 (log_softmax, exp, product for entropy)
   update   student weights + LoRA + grads (fp32) + saved activations t * (layers * a + 4H)
-           (a per token and layer, `saved_per_token_layer`) + backward scratch t * (2H + 3I) * 4
-           + loss chunk 4 * chunk * V * 4
+           (a per token and layer, `saved_per_token_layer`; with train.activation_checkpointing
+           t * (layers * H * s + 4H) plus one layer's t * a recomputed in the backward) + backward
+           scratch t * (2H + 3I) * 4 or the loss chunk 4 * chunk * V * 4, whichever is larger
 The student's LoRA grads and AdamW moments (2 x fp32) stay resident between steps, as does the
 engine's copy (q/k/v and gate/up fused, targeted o/down merged). Under resident every phase also
 holds the idle role; under swap it waits in host memory (with its moments and engine); under
@@ -139,12 +140,18 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     out["score"] = sc
 
     full = "full" in _needs(cfg)
+    a, scratch = saved_per_token_layer(S, cfg.lora, s), t * (2 * S.hidden + 3 * S.inter) * 4
     up = stud + ([] if moves else eng + teach)
-    up += [("student", f"saved activations ({t} tokens x {S.layers} layers)",
-            t * (S.layers * saved_per_token_layer(S, cfg.lora, s) + 4 * S.hidden), False),
-           ("student", f"loss chunk [{c}, {V}] fp32 x4" + (" + teacher logits" if full else "")
+    if getattr(cfg.train, "activation_checkpointing", False):  # each layer keeps only its input
+        up += [("student", f"checkpointed layer inputs ({t} tokens x {S.layers} layers)",
+                t * (S.layers * S.hidden * s + 4 * S.hidden), False),
+               ("student", "backward: one layer's activations recomputed + scratch", t * a + scratch, True)]
+    else:
+        up += [("student", f"saved activations ({t} tokens x {S.layers} layers)",
+                t * (S.layers * a + 4 * S.hidden), False),
+               ("student", "backward scratch (one layer)", scratch, True)]
+    up += [("student", f"loss chunk [{c}, {V}] fp32 x4" + (" + teacher logits" if full else "")
             + f" + hidden-state grad [{n}, H]", (5 if full else 4) * c * V * 4 + n * S.hidden * s, True),
-           ("student", "backward scratch (one layer)", t * (2 * S.hidden + 3 * S.inter) * 4, True),
            ("student", "quantized matmul scratch", dequant_bytes(S, sq, t, s), False)]
     out["update"] = up
 
@@ -274,6 +281,8 @@ def _variants(cfg):
     """Groups of single changes that lower the peak, most specific first: (label, [(key, value)])."""
     if cfg.memory.placement != "auto":
         yield "placement", [[("memory.placement", p)] for p in PLACEMENTS if p != cfg.memory.placement]
+    if not getattr(cfg.train, "activation_checkpointing", True):
+        yield "checkpointing", [[("train.activation_checkpointing", True)]]
     chunks, c = [], cfg.train.chunk // 2
     while c >= max(1, cfg.memory.chunk_floor):
         chunks.append([("train.chunk", c)])
@@ -317,7 +326,7 @@ def suggestions(cfg, shapes: dict, usable: float) -> list[dict]:
             if t["fits"]:
                 out.append(t)
                 break
-        if group and label != "placement":
+        if group and label not in ("placement", "checkpointing"):
             strongest += group[-1]
     if not out and strongest:
         out.append(_try(cfg, strongest, shapes, usable))

@@ -152,7 +152,8 @@ def _train(sess: Session, model, dig: str, parent: Path | None, start: int, step
                    "rejected_traces": rejected, "losses": []}
     torch.manual_seed(seed_of(dig))  # LoRA dropout, if any
     model.train()
-    with phase(sess.device, state) as ph:
+    # enable_grad: the teacher adapter may be trained lazily from inside a caller's no_grad block
+    with phase(sess.device, state) as ph, torch.enable_grad():
         for j in range(start + 1, start + steps + 1):
             p = pack(sess, [trs[i] for i in batch_indices(len(trs), cfg.sft.batch_size, j, key)])
             opt.zero_grad(set_to_none=True)

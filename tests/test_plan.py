@@ -4,6 +4,7 @@ activation formula against autograd's saved tensors, and the CUDA probe (gpu).""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,6 +110,11 @@ def test_seed_workload_components_by_hand():
     assert item(est, "update", "loss chunk") == 4 * 256 * 49152 * 4 + 256 * 960 * 2  # + grad of [n, H]
     # saved activations: 768 tokens x (32 x 64,448 + 4 x 960) B
     assert item(est, "update", "saved activations") == 768 * (32 * 64_448 + 3_840)
+    # activation checkpointing: each layer keeps its bf16 input; the backward recomputes one layer
+    ck = plan.estimate(cfg(*SEED, "train.activation_checkpointing=true"))
+    assert item(ck, "update", "checkpointed layer inputs") == 768 * (32 * 960 * 2 + 3_840)
+    assert item(ck, "update", "backward: one layer") == 768 * 64_448 + 768 * (2 * 960 + 3 * 2560) * 4
+    assert ck["placements"]["resident"]["peak_gib"] < est["placements"]["resident"]["peak_gib"] - 1.3
     lora = 8_683_520 * 4  # r16 x (1920 + 1280 + 1280 + 1920 + 3 x 3520) per layer x 32, fp32
     assert item(est, "update", "AdamW") == 2 * lora
     # swap: the teacher is not on the device during update, nor the engine's copy
@@ -291,3 +297,18 @@ def test_probe_without_cuda_is_one_line_exit_2(monkeypatch, capsys):
     code, out, err = run_cli(capsys, *TINY, "--probe")
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and "--probe measures on CUDA" in err, err
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux: per-phase peak RSS")
+def test_cpu_phase_peak_is_the_phases_own():
+    """session.phase resets the peak before each phase (CUDA: reset_peak_memory_stats; CPU: VmHWM)."""
+    from stages.session import phase
+
+    big, small = {}, {}
+    with phase(torch.device("cpu"), big):
+        x = torch.ones(64 * 2**20)  # 256 MiB
+        del x
+    with phase(torch.device("cpu"), small):
+        y = torch.ones(1024)
+        del y
+    assert big["peak_rss_gib"] - small["peak_rss_gib"] > 0.2, (big, small)

@@ -132,7 +132,8 @@ def with_tiny(argv: list[str]) -> list[str]:
     for role in ("student", "teacher"):
         if f"{role}.name" in own:
             drop |= {f"{role}.name", f"{role}.init"}
-    return [*argv, *(o for k, o in TINY_KEYS.items() if k not in drop)]
+    tiny = {**TINY_KEYS, "train.updates": "train.updates=1"} if argv[1] == "run" else TINY_KEYS  # keep it quick
+    return [*argv, *(o for k, o in tiny.items() if k not in drop)]
 
 
 def fake_hf_cache(root: Path, ids: dict[str, Path]) -> Path:
@@ -183,6 +184,7 @@ def base(tmp_path_factory, seeded_store) -> dict:
 def fresh_copy(src: Path, dst: Path) -> Path:
     """A private copy of the base workspace: the store hard-linked (published files are never
     modified in place), the run view copied (relative links stay valid)."""
+    dst.mkdir()
     (dst / "conf").symlink_to(ROOT / "conf")
     shutil.copytree(src / "artifacts" / "store", dst / "artifacts" / "store", copy_function=os.link)
     shutil.copytree(src / "artifacts" / "runs", dst / "artifacts" / "runs", symlinks=True)

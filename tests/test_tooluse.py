@@ -136,12 +136,11 @@ def test_privileged_teacher_prompt_differs_but_scores_the_same_tokens(work):
     priv = session(work, "env.name=calculator", "env.split=hard", "teacher_mode=privileged_context", *ENV)
     assert raw.rollout_digest(1) == priv.rollout_digest(1)  # the student's side is identical
     assert raw.score_digest(1) != priv.score_digest(1)
-    for sess in (raw, priv):
-        _diffuse(sess.teacher())
-        train.run(sess)
+    train.run(raw)
+    train.run(priv)  # same run name: the run view now shows priv's step; read raw's from the store
     ro = pq.read_table(priv.step_dir(1) / "rollout.parquet")
-    sc_p = pq.read_table(priv.step_dir(1) / "scores.parquet")
-    sc_r = pq.read_table(raw.step_dir(1) / "scores.parquet")
+    sc_p = pq.read_table(priv.store.path("score", priv.score_digest(1)) / "scores.parquet")
+    sc_r = pq.read_table(raw.store.path("score", raw.score_digest(1)) / "scores.parquet")
     from stages.rollout import tokenizer
 
     tok, env = tokenizer(priv), envs.get("calculator")
@@ -162,11 +161,3 @@ def test_privileged_teacher_prompt_differs_but_scores_the_same_tokens(work):
     # the raw teacher scored the same tokens behind the student's prompt: other values
     raw_lp = np.concatenate(sc_r.column("teacher_logprobs").to_pylist())
     assert np.abs(got[scored] - raw_lp[scored]).max() > 1e-3
-
-
-@torch.no_grad()
-def _diffuse(teacher):
-    """The tiny random teacher (init range 0.5) attends one-hot: context a few tokens away gets weight
-    exactly 0 in fp32, so no prompt change could reach the response. Damped queries make it look."""
-    for layer in teacher.model.layers:
-        layer.self_attn.q_proj.weight.mul_(0.02)

@@ -2,6 +2,7 @@
 test starts from a hard-linked copy of (part of) the reference artifacts, never from scratch."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -44,6 +45,19 @@ class Work:
     def start(self, *overrides: str, env: dict | None = None) -> int:
         return self.server.start("run", *TINY, *overrides, cwd=self.dir, env=self._env(env))
 
+    def step_digest(self, stage: str, k: int) -> str:
+        """The digest of step k's rollout / score / update, read from the run view."""
+        st = json.loads((self.artifacts / "runs" / "default" / f"step-{k:04d}" / "state.json").read_text())
+        return st["policy" if stage == "update" else stage]["digest"]
+
+    def forget(self, *what: str) -> None:
+        """Remove published stage dirs, e.g. "update:3", "score:3", "evaluate" (all of that stage)."""
+        for w in what:
+            stage, _, k = w.partition(":")
+            for d in (self.artifacts / "store" / stage).iterdir():
+                if not d.name.startswith(".") and (not k or d.name == self.step_digest(stage, int(k))):
+                    shutil.rmtree(d)
+
     def bad_reads(self) -> list[str]:
         return tracer.violations(tracer.read_records(self.trace))
 
@@ -62,11 +76,12 @@ def link_copy(src: Path, dst: Path, parts=None) -> None:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory):
+def server(tmp_path_factory, request):
     # conf/ is snapshotted when the server imports stages/, so config schema and tree always match
     Work.conf = tmp_path_factory.mktemp("conf") / "conf"
     shutil.copytree(ROOT / "conf", Work.conf)
     s = Server(tmp_path_factory.mktemp("procs"))
+    request.config._opd_server = s
     yield s
     s.close()
     print(f"\nreliability: {s.n} opd processes, {s.cpu_s:.0f} CPU s", file=sys.stderr)
@@ -96,3 +111,27 @@ def done(server, reference, tmp_path) -> Work:
     w = Work(server, tmp_path / "w")
     link_copy(reference.artifacts, w.artifacts)
     return w
+
+
+_CPU: dict[str, float] = {}
+
+
+@pytest.fixture(autouse=True)
+def _cpu_account(request):
+    import resource
+
+    def now():
+        s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        srv = request.session.config._opd_server.cpu_s if hasattr(request.session.config, "_opd_server") else 0
+        return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime + srv
+    t = now()
+    yield
+    _CPU[request.node.nodeid] = now() - t
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _CPU:
+        top = sorted(_CPU.items(), key=lambda kv: -kv[1])[:15]
+        terminalreporter.write_line(f"reliability CPU: {sum(_CPU.values()):.0f} s in tests")
+        for k, v in top:
+            terminalreporter.write_line(f"  {v:6.1f} s  {k.split('::')[-1]}")

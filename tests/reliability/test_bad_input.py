@@ -309,8 +309,11 @@ def test_bad_input(done, row):
 
 
 def test_repeated_prompts_in_one_batch_get_distinct_uids(done):
-    """6 prompts, batches of 4: batch 2 spans the epoch boundary and holds one prompt twice."""
-    r = done.run("data.num_train=6", "train.updates=2", "run=six")
+    """6 prompts, batches of 8: batch 1 spans the epoch boundary and holds two prompts twice."""
+    r = done.opd("stage", "rollout", "--step", "1", *TINY, "data.num_train=6", "rollout.batch_size=8")
     assert r.rc == 0, r
-    uids = pq.read_table(done.artifacts / "runs" / "six" / "step-0002" / "rollout.parquet").column("uid").to_pylist()
-    assert len(uids) == len(set(uids)) == 4
+    path = r.stdout.strip().splitlines()[-1].split(": ", 1)[1]
+    t = pq.read_table(done.dir / path)
+    idx, uids = t.column("prompt_index").to_pylist(), t.column("uid").to_pylist()
+    assert len(set(idx)) < len(idx)  # the batch does repeat prompts ...
+    assert len(uids) == len(set(uids)) == 8  # ... and every trajectory still has its own uid

@@ -40,11 +40,6 @@ def drop(p: Path) -> None:
     p.unlink()
 
 
-def step_digest(ref, stage: str, k: int) -> str:
-    st = json.loads((ref.artifacts / "runs" / "default" / f"step-{k:04d}" / "state.json").read_text())
-    return st["policy" if stage == "update" else stage]["digest"]
-
-
 # (case, stage, step or model role, file inside the stage dir, damage, also removed so it must run)
 CASES = [
     ("truncated rollout Parquet", "rollout", 2, "rollout.parquet", truncate, None),
@@ -62,7 +57,7 @@ def test_damaged_file_is_detected_and_recomputed(done, reference, case, stage, w
     if stage == "model":
         dig = json.loads((reference.artifacts / "runs" / "default" / "prepare.json").read_text())[which]
     else:
-        dig = step_digest(reference, stage, which)
+        dig = reference.step_digest(stage, which)
     target = done.artifacts / "store" / stage / dig / rel
     damage(target)
     if rerun:  # a stage that has to run now and therefore loads the damaged model
@@ -84,21 +79,11 @@ def test_damaged_file_is_detected_and_recomputed(done, reference, case, stage, w
     assert done.bad_reads() == []
 
 
-def _without(work, reference, stages_: tuple[str, ...]) -> None:
-    """Remove the last step's update and everything after it, so the next run has to publish."""
-    for e in published(work.artifacts):
-        st, dig = e.split("/")
-        if (st == "update" and dig == step_digest(reference, "update", 3)) or st in stages_:
-            import shutil
-
-            shutil.rmtree(work.artifacts / "store" / e)
-
-
 @pytest.mark.parametrize("point,resume", [("publish.after_temp_write", True), ("publish.after_manifest", False),
                                           ("update.mid", False), ("export.before_rename", True)])
 def test_disk_full_during_publish_leaves_the_store_as_it_was(done, reference, point, resume):
     if not point.startswith("export"):  # export always runs; a store stage must have something to do
-        _without(done, reference, ("evaluate",))
+        done.forget("update:3", "evaluate")
     before = snapshot(done.artifacts)
     r = done.run(env={"OPD_FAULT": f"{point}@enospc"})
     assert r.rc == 75, r

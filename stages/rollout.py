@@ -7,6 +7,7 @@ so it depends on k and the prompt set only (never on how many updates the run ha
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -58,6 +59,7 @@ def run(sess: Session, k: int) -> Path:
     dig = sess.rollout_digest(k)
 
     def produce(tmp: Path) -> None:
+        t_in = time.perf_counter()
         cfg, tok = sess.cfg, tokenizer(sess)
         prompts = tables.read(sess.store.path("prompts", sess.prepared["prompts"]) / "train.parquet")
         idx = batch_indices(prompts.num_rows, cfg.rollout.batch_size, k, sess.prepared["prompts"])
@@ -71,10 +73,12 @@ def run(sess: Session, k: int) -> Path:
             if "reward_model" in prompts.column_names else [None] * prompts.num_rows
         student = sess.use_policy(k - 1)
         state: dict = {"stage": "rollout", "step": k, "digest": dig}
+        io = state["io_s"] = {"inputs": round(time.perf_counter() - t_in, 4)}  # outside the timed phase
         with phase(sess.device, state) as ph:
             out = sample(sess, student, pids, cfg.rollout.max_new_tokens, seed_of(dig),
                          min_new=cfg.rollout.min_new_tokens)
             ph["tokens"] = int(out.lengths.sum())
+        t_out = time.perf_counter()
         rows, seen = [], {}
         for b, i in enumerate(idx):
             n = int(out.lengths[b])
@@ -95,6 +99,7 @@ def run(sess: Session, k: int) -> Path:
             state["reward_mean"] = round(sum(scored) / len(scored), 6)
         tables.write(tmp / "rollout.parquet", pa.Table.from_pylist(rows, tables.ROLLOUT),
                      {"digest": dig, "tokenizer": sess.prepared["tokenizer"]})
+        io["outputs"] = round(time.perf_counter() - t_out, 4)
         write_json(tmp / "state.json", state)
 
     d, _ = sess.store.ensure("rollout", dig, produce)

@@ -169,6 +169,7 @@ def run(sess: Session, k: int) -> Path:
     dig = sess.update_digest(k)
 
     def produce(tmp: Path) -> None:
+        t_in = time.perf_counter()
         cfg = sess.cfg
         prev = sess.policy_dir(k - 1)  # init, the SFT cold start, or update k-1
         ro = read_rollout(sess.store.path("rollout", sess.rollout_digest(k)) / "rollout.parquet")
@@ -194,6 +195,7 @@ def run(sess: Session, k: int) -> Path:
         for gr in opt.param_groups:
             gr["lr"] = lr
         state: dict = {"stage": "update", "step": k, "digest": dig, "lr": lr}
+        io = state["io_s"] = {"inputs": round(time.perf_counter() - t_in, 4)}  # outside the timed phase
         student.train()
 
         def attempt(chunk: int):  # run again with a halved chunk after a CUDA OOM (memory.chunk_retry)
@@ -215,12 +217,16 @@ def run(sess: Session, k: int) -> Path:
         if sess._engine:
             t_r = time.perf_counter()
             sess._engine.refresh()
-            state["engine_refresh_s"] = round(time.perf_counter() - t_r, 4)
+            io["engine_refresh"] = round(time.perf_counter() - t_r, 4)
         state.update({k2: round(v, 6) for k2, v in stats.items()}, grad_norm=round(float(gn), 6))
         state["kl"] = state["loss"] if cfg.objective.name == "forward_kl_topk" else None
+        t_s = time.perf_counter()
         save_adapter(student, tmp / "adapter", f"opd-store/model/{sess.prepared['student']}")
+        io["save_adapter"] = round(time.perf_counter() - t_s, 4)
         fault("update.mid", tmp)  # half-written: adapter saved, optimizer not yet
+        t_s = time.perf_counter()
         save_optimizer(opt, named, tmp / "optimizer.safetensors")
+        io["save_optimizer"] = round(time.perf_counter() - t_s, 4)
         write_json(tmp / "state.json", state)
 
     # On CUDA the update's files (adapter + AdamW moments) are sealed and renamed on a worker thread

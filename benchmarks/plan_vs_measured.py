@@ -2,7 +2,7 @@
 peak allocated GiB per phase, measured on the GPU) and puts the weight-free plan of the same
 workload shapes next to it. Runs anywhere (no GPU, no weights).
 
-    python benchmarks/plan_vs_measured.py benchmarks/results/2026-11-30-h200-systems-run1.json
+    python benchmarks/plan_vs_measured.py benchmarks/results/2026-11-30-h200-systems.json
 
 Writes <result stem>-plan.json and .md beside the input. For measured figures of the plan's own
 worst case (every prompt at the limit), run `opd plan <workload overrides> --probe` on the GPU.

@@ -256,8 +256,8 @@ def miniverl_peer() -> dict:
     try:
         import miniverl  # noqa: F401
     except ImportError:
-        return {"name": "miniVERL 0.16", "error": "miniverl is not installed on this machine (not on PyPI's index "
-                "reachable here / not carried); compare against ANCHORS.md's published RTX 4080 figures instead"}
+        return {"name": "miniVERL 0.16", "error": "miniverl is not importable on this machine: carry its wheel "
+                "and pure-Python deps (../shared/device/wheels.sh miniverl==0.16.0 ...) to run it here"}
     return {"name": "miniVERL 0.16", "error": "runner not implemented"}
 
 

@@ -8,6 +8,11 @@
     opd report RUN [--out report.html]  one self-contained HTML page: config, curves, phases, trajectories, eval
     opd doctor [overrides]              versions, CUDA, embedded model, artifacts dir; exit 1 on a blocker
     opd plan [overrides] [--out F]      weight-free memory plan per phase and placement; --probe measures (CUDA)
+    opd plan --profile P --config C     a verl v0.8 OPD config mapped onto ours (+ memory plan) -> plan.json;
+                                        `opd run --plan plan.json [--dry-run]` runs it (stages/verl/cli.py)
+    opd profiles list|show NAME         the verl OPD profiles; `opd compat explain FIELD|table`: the mapping
+    opd export [--verl OUT]             the PEFT export, or a verl 0.8 bundle with a launchability report
+    opd data sample --out F [--rows N]  a verl-schema prompt Parquet from the prompt generator
 """
 from __future__ import annotations
 
@@ -112,6 +117,19 @@ def cmd_benchmark(args) -> None:
     benchmark.main(args.config, args.arm, args.seed, args.result)
 
 
+def cmd_bench(args) -> None:
+    """`opd bench systems [--workload ...]`: the driver in benchmarks/systems.py (a repo checkout)."""
+    import runpy
+
+    from .config import ROOT
+
+    driver = ROOT / "benchmarks" / "systems.py"
+    if not driver.is_file():
+        raise UserError(f"{driver}: not found; `opd bench` runs from a checkout of the repository")
+    sys.argv = [str(driver), *args.overrides]
+    runpy.run_path(str(driver), run_name="__main__")
+
+
 def cmd_report(args) -> None:
     from . import report
 
@@ -184,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_benchmark)
+    p = sub.add_parser("bench", help="systems benchmarks: ours and the peers side by side (GPU)",
+                       add_help=False)
+    p.add_argument("which", choices=("systems",))
+    p.set_defaults(fn=cmd_bench, overrides=[])  # every further argument goes to the driver
     from .verl.cli import add_commands  # plan, profiles, compat, export, data
 
     add_commands(sub, with_cfg)
@@ -209,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     # overrides may follow options (`opd stage score --step 2 k=v`): collect the leftovers
     args, extra = ap.parse_known_args(argv)
-    if extra:
+    if extra and args.fn is cmd_bench:
+        args.overrides = extra
+    elif extra:
         if any(x.startswith("-") for x in extra) or not hasattr(args, "overrides"):
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides or []) + extra

@@ -36,7 +36,7 @@ class Browser:
         self._r, from_chrome_w = os.pipe()
         flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-default-apps", "--disable-extensions", "--mute-audio", "--hide-scrollbars",
+                 "--disable-default-apps", "--disable-extensions", "--disable-dev-shm-usage", "--mute-audio", "--hide-scrollbars",
                  f"--user-data-dir={profile}", "--remote-debugging-pipe", "about:blank"]
         # Chromium reads commands on fd 3 and writes replies on fd 4
         self.proc = subprocess.Popen(
@@ -118,11 +118,11 @@ def render_in_chromium(page: Path, profile: Path, width: int = 1280, height: int
         problems = []
         for e in b.events:
             m, p = e.get("method"), e.get("params", {})
-            if m == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert", "warning"):
+            if m == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
                 problems.append(f"console.{p['type']}: {[a.get('value', a.get('description')) for a in p['args']]}")
             elif m == "Runtime.exceptionThrown":
                 problems.append(f"exception: {p['exceptionDetails'].get('text')}")
-            elif m == "Log.entryAdded" and p["entry"]["level"] in ("error", "warning"):
+            elif m == "Log.entryAdded" and p["entry"]["level"] == "error":
                 problems.append(f"log {p['entry']['level']} ({p['entry']['source']}): {p['entry']['text']}")
         return {"png": base64.b64decode(shot["data"]), "problems": problems, "dom": dom}
     finally:

@@ -26,12 +26,12 @@ UPDATES = 3
 
 # Every named fault point (OPD_FAULT=<point>[:<n>][@kill|term|int|enospc], stages/store.py `fault`).
 # Store.ensure fires <stage>.before (temp dir made, nothing computed) and <stage>.after (published)
-# for every content-addressed stage; the rest sit where their names say.
+# for every content-addressed stage (those of a default run below); the rest sit where their names say.
 FAULT_POINTS = [
     "publish.after_temp_write", "publish.after_fsync", "publish.before_manifest", "publish.after_manifest",
     "publish.before_rename", "publish.after_rename",
     "prepare.before", "prepare.after", "tokenizer.before", "tokenizer.after", "model.before", "model.after",
-    "prompts.before", "prompts.after", "init.before", "init.after",
+    "prompts.before", "prompts.after", "prepared.before", "prepared.after", "init.before", "init.after",
     "rollout.before", "rollout.after", "score.before", "score.after", "update.before", "update.mid",
     "update.after", "train.between_steps", "evaluate.before", "evaluate.after",
     "export.before", "export.before_rename", "export.after",

@@ -20,13 +20,13 @@ CHAIN = [
     ("prepare.before", "nothing yet"),
     ("prompts.before", "prompts: temp dir made"),
     ("publish.after_temp_write", "prompts written, not fsynced"),
-    ("publish.after_fsync", "prompts fsynced, not hashed"),
-    ("publish.before_manifest", "prompts hashed, no manifest"),
-    ("publish.after_manifest", "prompts sealed, not renamed"),
-    ("publish.before_rename", "prompts, just before the rename"),
-    ("publish.after_rename", "prompts published, not yet recorded"),
+    ("publish.after_rename", "prompts renamed into place, not yet recorded"),
+    ("publish.before_manifest", "the prepared record (prompts published first)"),
     ("prepare.after", "prepare done"),
     ("init.before", "policy 0"),
+    ("publish.after_fsync", "policy 0 fsynced, not hashed"),
+    ("publish.after_manifest", "policy 0 sealed, not renamed"),
+    ("publish.before_rename", "policy 0, just before the rename"),
     ("init.after", "policy 0 published"),
     ("rollout.before", "rollout(1)"),
     ("rollout.after", "rollout(1) published"),
@@ -92,7 +92,7 @@ def test_sigkill_at_every_point_then_resume_is_byte_identical(fresh, reference):
 @pytest.mark.parametrize("action,rc,point", [("term", 143, "update.mid"), ("int", 130, "score.before")])
 def test_sigterm_sigint_abandon_the_stage_cleanly(done, reference, action, rc, point):
     """The signal arrives mid-stage (here: sent by the process itself at a named point)."""
-    done.forget("score:3", "update:3", "evaluate")
+    done.forget("score:3", "update:3")  # (evaluate stays: update(3) is recomputed to the same bytes)
     r = done.run(env={"OPD_FAULT": f"{point}@{action}"})
     assert r.rc == rc, r
     name = "SIGTERM" if action == "term" else "SIGINT"

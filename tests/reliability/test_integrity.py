@@ -48,7 +48,7 @@ CASES = [
     ("flipped byte in optimizer state", "update", 1, "optimizer.safetensors", flip, None),
     ("manifest hash mismatch", "score", 1, "manifest.json", mismatch, None),
     ("manifest missing", "rollout", 3, "manifest.json", drop, None),
-    ("flipped byte in the teacher weights", "model", "teacher", "model.safetensors", flip, "evaluate"),
+    ("flipped byte in the teacher weights", "model", "teacher", "model.safetensors", flip, "score:3"),
 ]
 
 
@@ -61,9 +61,7 @@ def test_damaged_file_is_detected_and_recomputed(done, reference, case, stage, w
     target = done.artifacts / "store" / stage / dig / rel
     damage(target)
     if rerun:  # a stage that has to run now and therefore loads the damaged model
-        for d in (done.artifacts / "store" / rerun).iterdir():
-            if not d.name.startswith("."):
-                os.rename(d, d.parent / f".removed-{d.name}")
+        done.forget(rerun)
     r = done.run()
     assert r.rc == 0, r
     warned = [ln for ln in r.stderr.splitlines() if ln.startswith("warning:")]
@@ -83,7 +81,7 @@ def test_damaged_file_is_detected_and_recomputed(done, reference, case, stage, w
                                           ("update.mid", False), ("export.before_rename", True)])
 def test_disk_full_during_publish_leaves_the_store_as_it_was(done, reference, point, resume):
     if not point.startswith("export"):  # export always runs; a store stage must have something to do
-        done.forget("update:3", "evaluate")
+        done.forget("update:3")  # (evaluate stays: it is reused once update(3) is back)
     before = snapshot(done.artifacts)
     r = done.run(env={"OPD_FAULT": f"{point}@enospc"})
     assert r.rc == 75, r

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .errors import EXIT_NO_SPACE, Interrupted, UserError
 
-STAGES = ("prepare", "init", "rollout", "score", "update", "train", "evaluate", "export")
+STAGES = ("prepare", "init", "rollout", "score", "update", "train", "evaluate", "export", "sft", "tooleval")
 
 
 def _config(args):
@@ -96,6 +96,14 @@ def cmd_stage(args) -> None:
         train.main(sess)
     elif name == "evaluate":
         evaluate.main(sess)
+    elif name == "sft":  # the student's cold start; the protocol_sft teacher adapter when configured
+        from . import sft
+
+        sft.main(sess)
+    elif name == "tooleval":  # greedy held-out episodes of policy --step N (default train.updates)
+        from . import tooleval
+
+        tooleval.main(sess, k)
     elif name == "export":
         if getattr(args, "verl", None) is not None:
             from .verl import bundle

@@ -232,7 +232,12 @@ def with_teacher_adapter(sess: Session, teacher):
     return merged
 
 
-def main(sess: Session, role: str = "student") -> Path:
-    d = teacher_adapter(sess) if role == "teacher" else cold_start(sess)
-    print(f"sft ({role}): {d}")
-    return d
+def main(sess: Session) -> None:
+    """`opd stage sft`: publish the SFT stages the config asks for."""
+    cfg = sess.cfg
+    if cfg.env.name is None or not (cfg.sft.steps or cfg.teacher_mode == "protocol_sft"):
+        raise UserError("opd stage sft needs env.name and sft.steps > 0 (cold start) or teacher_mode=protocol_sft")
+    if cfg.sft.steps:
+        print(f"sft cold start (policy 0): {cold_start(sess)}")
+    if cfg.teacher_mode == "protocol_sft":
+        print(f"sft teacher adapter: {teacher_adapter(sess)}")

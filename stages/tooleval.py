@@ -86,6 +86,22 @@ def run(sess: Session, stage: str, policy: str) -> Path:
     return d
 
 
+def main(sess: Session, k: int | None = None) -> dict:
+    """`opd stage tooleval [--step N]`: evaluate policy N (default: the last update) on held-out tasks."""
+    from . import train
+    from .errors import UserError
+
+    if sess.cfg.env.name is None:
+        raise UserError("opd stage tooleval needs a tool environment; set env.name")
+    k = sess.cfg.train.updates if k is None else k
+    train.ensure_policy(sess, k)
+    d = run(sess, sess.policy_dir(k).parent.name, sess.policy_digest(k))
+    m = json.loads((d / "eval.json").read_text())
+    print(f"tooleval policy {k}: strict {m['success']:.3f} lenient {m['success_lenient']:.3f} over {m['tasks']} "
+          f"held-out tasks, {m['avg_turns']:.2f} turns, invalid-call rate {m['invalid_call_rate']:.3f} ({d})")
+    return m
+
+
 # ---- failure attribution ----
 
 def _mentions(truth: str, text: str) -> bool:

@@ -124,6 +124,10 @@ def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch
     leaf = h.detach().requires_grad_(True)
     head = lmhead.head_weight(student)
     T = cfg.rollout.temperature
+    h_t = head_t = None
+    if "full" in ob.NEEDS:  # a full teacher row per token is too big to store: recompute it here, chunked
+        with torch.no_grad():
+            h_t, head_t = lmhead.hidden(sess.teacher(), p), lmhead.head_weight(sess.teacher())  # [n, H]
     # teacher arrays move to the device once; sums stay on the device (one sync at the end)
     sc = {name: torch.as_tensor(v, device=dev) for name, v in sc.items() if v is not None}
     loss_sum = torch.zeros((), device=dev)
@@ -135,7 +139,8 @@ def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch
             teacher_logprobs=sc["teacher_logprobs"][c] if "teacher_logprobs" in sc else None,
             topk_ids=sc["topk_ids"][c] if "topk_ids" in sc else None,
             topk_logprobs=sc["topk_logprobs"][c] if "topk_logprobs" in sc else None,
-            advantages=advantages[c] if advantages is not None else None)
+            advantages=advantages[c] if advantages is not None else None,
+            teacher_logits=None if h_t is None else F.linear(h_t[c], head_t).float() / T)
         per_tok, diag = ob.per_token(ch, cfg.objective)  # [c]
         loss = (per_tok * wpos[c]).sum()
         if loss.requires_grad:

@@ -10,11 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-OPD = str(Path(sys.executable).parent / "opd")
-TINY = ["student.name=arch:tiny-llama", "student.init=random", "student.keep_layers=0",
-        "teacher.name=arch:tiny-llama-teacher", "teacher.init=random", "data.num_train=8", "data.num_eval=4",
-        "rollout.max_new_tokens=8", "eval.max_new_tokens=8", "train.updates=3", "objective.topk=8"]
+from support import OPD, ROOT, TINY, opd, session  # noqa: F401  (re-exported)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,15 +22,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def opd(*args: str, cwd: Path, env: dict | None = None, check: bool = True, timeout: int = 600):
-    """Run the installed `opd` command; returns CompletedProcess (text)."""
-    e = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    r = subprocess.run([OPD, *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
-    if check and r.returncode != 0:
-        raise AssertionError(f"opd {' '.join(args)} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
-    return r
 
 
 @pytest.fixture(scope="session")
@@ -54,10 +41,3 @@ def work(tmp_path, seeded_store, monkeypatch) -> Path:
         shutil.copytree(seeded_store / part, tmp_path / "artifacts" / "store" / part)
     monkeypatch.chdir(tmp_path)
     return tmp_path
-
-
-def session(work: Path, *overrides: str):
-    from stages import config
-    from stages.session import Session
-
-    return Session(config.compose([*TINY, *overrides], ROOT / "conf"))

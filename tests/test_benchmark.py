@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from conftest import TINY, opd
+from support import TINY, opd
 from stages import tooleval
 
 BASE = [*TINY[:-2], "objective.topk=8", "env.name=calculator", "env.split=easy", "env.num_train=6", "env.num_test=2",

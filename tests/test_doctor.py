@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, opd
+from support import ROOT, opd
 from stages import doctor
 from stages.errors import UserError
 

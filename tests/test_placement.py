@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TINY, opd, session
+from support import TINY, opd, session
 from safetensors.torch import load_file
 
 from stages import lmhead, memory, models, rollout, sampler, score, tables, train, update

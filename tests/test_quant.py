@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import session
+from support import session
 from safetensors.torch import load_file
 
 from stages import lmhead, models, train

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY, opd
+from support import ROOT, TINY, opd
 
 README = ROOT / "README.md"
 BIN = Path(sys.executable).parent

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, opd
+from support import TINY, opd
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (Debian package "

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from conftest import session
+from support import session
 from stages import envs, sft, tooluse, train
 from stages.envs import protocol
 from stages.rollout import tokenizer
@@ -94,3 +94,16 @@ def test_protocol_sft_teacher_is_base_plus_adapter(work):
         a, b = raw.teacher()(ids).logits, psft.teacher()(ids).logits
     assert not torch.allclose(a, b, atol=1e-4)
     assert not hasattr(psft.teacher(), "peft_config")  # merged: a plain model for scoring
+
+
+def test_sft_and_tooleval_run_alone_from_the_cli(work):
+    from support import TINY, opd
+
+    args = [*TINY, "env.name=sqlite", "env.split=default", "env.num_train=4", "env.num_test=2", "env.max_turns=2",
+            "env.max_tokens_per_turn=6", "sft.steps=1"]
+    r = opd("stage", "sft", *args, cwd=work)
+    assert "sft cold start (policy 0)" in r.stdout
+    r = opd("stage", "tooleval", "--step", "0", *args, cwd=work)
+    assert "tooleval policy 0: strict" in r.stdout and "over 2 held-out tasks" in r.stdout
+    r = opd("stage", "sft", *TINY, cwd=work, check=False)
+    assert r.returncode == 2 and "env.name" in r.stderr

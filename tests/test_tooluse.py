@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import ROOT, TINY, opd, session
+from support import ROOT, TINY, opd, session
 from stages import config, envs, lmhead, tables, tooleval, tooluse, train
 from stages.envs import protocol
 from stages.errors import UserError

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY, opd
+from support import ROOT, TINY, opd
 
 DVC = str(Path(sys.executable).parent / "dvc")
 

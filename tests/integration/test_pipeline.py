@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import TINY, opd
+from support import TINY, opd
 
 STEP_FILES = ["rollout.parquet", "scores.parquet", "optimizer.safetensors", "adapter/adapter_model.safetensors",
               "adapter/adapter_config.json"]

@@ -10,7 +10,7 @@ import runpy
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import TINY, opd
+from support import TINY, opd
 from stages import config, tables
 from stages.verl import bundle
 
@@ -19,7 +19,7 @@ from stages.verl import bundle
 def exported(tmp_path_factory, seeded_store):
     import shutil
 
-    from conftest import ROOT
+    from support import ROOT
 
     d = tmp_path_factory.mktemp("bundle")
     (d / "conf").symlink_to(ROOT / "conf")

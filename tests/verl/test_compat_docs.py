@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ROOT, opd
+from support import ROOT, opd
 from stages.verl import compat, fields
 
 

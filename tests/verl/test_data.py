@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import TINY, opd, session
+from support import TINY, opd, session
 from stages import prepare, tables
 from stages.errors import UserError
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from conftest import TINY, opd
+from support import TINY, opd
 from stages.verl import mapping, planfile
 
 PAIR = "builtin:smollm2-135m-embedded-opd"

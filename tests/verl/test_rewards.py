@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import session
+from support import session
 from stages import objectives, rewards, tables
 from stages.config import compose
 from stages.errors import UserError

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import session
+from support import session
 from stages import selection
 from stages.config import SelectionCfg
 from stages.errors import UserError

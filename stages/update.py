@@ -82,6 +82,7 @@ def save_adapter(student, out: Path, base_name: str) -> None:
     acfg = json.loads(cfg_file.read_text())
     if isinstance(acfg.get("target_modules"), list):
         acfg["target_modules"] = sorted(acfg["target_modules"])
+    acfg["inference_mode"] = True  # what PEFT's own save_pretrained records for a saved adapter
     cfg_file.write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
 
 

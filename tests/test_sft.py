@@ -107,3 +107,16 @@ def test_sft_and_tooleval_run_alone_from_the_cli(work):
     assert "tooleval policy 0: strict" in r.stdout and "over 2 held-out tasks" in r.stdout
     r = opd("stage", "sft", *TINY, cwd=work, check=False)
     assert r.returncode == 2 and "env.name" in r.stderr
+
+
+def test_continued_sft_equals_uninterrupted_sft(work):
+    # the continuation restores the optimizer state and carries the trace walk on: 2 + 2 steps give
+    # exactly the losses (and so the adapter) of 4 steps in one go
+    split = session(work, *TOOL, "sft.steps=2", "sft.lr=0.01")
+    stage, dig = sft.continued(split, 2)
+    whole = session(work, *TOOL, "sft.steps=4", "sft.lr=0.01")
+    d = sft.cold_start(whole)
+    first, rest = update_state(split, split.policy_digest(0))["losses"], update_state(split, dig)["losses"]
+    assert first + rest == update_state(whole, whole.policy_digest(0))["losses"]
+    assert (split.store.path(stage, dig) / "adapter" / "adapter_model.safetensors").read_bytes() == \
+        (d / "adapter" / "adapter_model.safetensors").read_bytes()

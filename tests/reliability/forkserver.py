@@ -43,6 +43,11 @@ def child(req: dict) -> None:
         traceback.print_exc()
         rc = 1
     try:
+        # what interpreter exit does for `opd` (joins threads, e.g. a background publish) without
+        # running the fork server's own atexit handlers
+        import threading
+
+        threading._shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
     finally:

@@ -257,7 +257,7 @@ ROWS = [
         dup_uid_rollout),
     # numerics: stop before publishing, naming the step
     Row("NaN/inf teacher log-probs", run("teacher.name=in/nan_teacher", "teacher.init=pretrained", "run=bad"),
-        r"score step 1.*NaN", nan_teacher, adds=True),
+        r"score step 1: teacher 'in/nan_teacher'.*NaN", nan_teacher, adds=True),
     Row("loss becomes NaN", run("optim.lr=1e30", "run=bad"), r"update step 2: loss is nan.*policy 2",
         adds=True),
     # where outputs go

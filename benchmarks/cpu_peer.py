@@ -265,7 +265,7 @@ def recipe(w: dict, student: Path, teacher: Path, prompts: Path, backend: str) -
         "loss": {"mode": "forward_kl_topk", "aggregation": "token-mean", "divergence": "forward_kl",
                  "temperature": 1.0, "scale_by_temperature_squared": False, "top_k": w["topk"],
                  "log_prob_min_clamp": LOGP_CLAMP, "chunk_size": 256, "sampled_token_nll_weight": 0.0},
-        # one optimizer step per cycle over the whole batch, in one padded forward (its fastest setting)
+        # one optimizer step per cycle over the whole batch, in one padded forward (as ours does)
         "train": {"cycles": w["updates"], "rollouts_per_cycle": w["prompts"],
                   "gradient_accumulation_steps": w["prompts"], "trajectory_batch_size": w["prompts"],
                   "learning_rate": 0.002, "weight_decay": 0.0, "max_grad_norm": 1.0, "save_every_cycles": 0},
@@ -285,7 +285,8 @@ def miniverl(w: dict, work: Path, mv_python: str, student: Path, teacher: Path, 
         res["error"] = f"{mv_python} does not exist: install miniverl into its own venv (see this file's docstring)"
         return res
     rec = work / f"{name}.recipe.yaml"
-    rec.write_text(json.dumps(recipe(w, student, teacher, prompts, backend), indent=1))  # JSON is YAML
+    res["recipe"] = recipe(w, student, teacher, prompts, backend)
+    rec.write_text(json.dumps(res["recipe"], indent=1))  # JSON is YAML
     launcher = work / "mv_launcher.py"
     launcher.write_text(LAUNCHER)
     out = work / f"{name}.timings.json"
@@ -520,8 +521,14 @@ def main(argv=None) -> int:
             "and optimizer state to the store); miniVERL = wall of OPDTrainer._run_cycle (rollout, teacher "
             "scoring incl. its teacher-target cache, update, trajectory/metrics JSONL); miniVERL writes no "
             "checkpoint between cycles at save_every_cycles=0, ours publishes one every step.",
-            "miniVERL's update runs the whole batch in one padded forward (trajectory_batch_size = prompts "
-            "per update; its default is 1).",
+            "miniVERL's update runs the whole batch in one padded forward like ours (trajectory_batch_size = "
+            "prompts per update; its default is 1). Everything else in its recipe is as its direct "
+            "forward_kl_topk profile compiles it (dual_model resident, verl_parquet source, token-mean) with "
+            "device cpu and float32; eval and report are off on both sides.",
+            "Ours runs `opd stage train` through a launcher that calls stages.cli.main unchanged and only "
+            "records process CPU time around each step (rollout start to update end).",
+            "Ours runs twice (before and after the peer) on separate stores, because a content-addressed "
+            "second run in the same store would recompute nothing; its median pools both runs.",
         ],
         "work_dir": str(work),
         "driver_wall_s": round(time.perf_counter() - started, 1),

@@ -109,9 +109,22 @@ def test_top_level_plots_follow_run(repo):
         (repo / "params.yaml").write_text(params)
 
 
+def test_second_repro_runs_no_stage(repo):
+    import time
+
+    t = time.perf_counter()
+    r = dvc("repro", cwd=repo)
+    assert time.perf_counter() - t <= 15
+    assert "Running stage" not in r.stdout and "up to date" in r.stdout
+
+
 def test_exp_show_and_plots_diff_compare_experiments(repo):
-    sets = [a for o in [*TINY[:-2], "train.updates=4", "objective.topk=8"] for a in ("-S", o)]
+    overrides = [*TINY[:-2], "train.updates=4", "objective.topk=8"]
+    sets = [a for o in overrides for a in ("-S", o)]
     dvc("exp", "run", *sets, "-n", "four-updates", cwd=repo)
+    # `dvc exp run -S` composed conf/ through DVC's Hydra support; `opd params` must write the same file
+    opd("params", "--out", "opd-params.yaml", *overrides, cwd=repo)
+    assert (repo / "params.yaml").read_text() == (repo / "opd-params.yaml").read_text()
     rows = json.loads(dvc("exp", "show", "--json", cwd=repo).stdout)
     baseline = next(r for r in rows if r["rev"] != "workspace")
     exp = baseline["experiments"][0]["revs"][0]

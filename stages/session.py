@@ -129,7 +129,10 @@ class Session:
         return self._prepared
 
     def runtime_slice(self) -> dict:
-        return {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch.")}
+        s = {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch.")}
+        if self.device.type == "cpu":  # CPU kernels may split reductions by thread count: part of the bytes
+            s["threads"] = torch.get_num_threads()
+        return s
 
     # ---- digest chain ----
     def init_digest(self) -> str:

@@ -188,7 +188,11 @@ def run_arm(b: dict, arm: dict, seed: int, cfg) -> dict:
     if cfg.sft.steps:
         shared["cold_start_seconds"] = _state(sess.store.path("sft", sft.cold_start_digest(sess))).get("wall_s")
     if cfg.teacher_mode == "protocol_sft":
-        shared["teacher_sft_seconds"] = _state(sess.store.path("sft", sft.teacher_digest(sess))).get("wall_s")
+        tdig = sft.teacher_digest(sess)
+        shared["teacher_sft_seconds"] = _state(sess.store.path("sft", tdig)).get("wall_s")
+        if sess.prepared["teacher"] == sess.prepared["student"]:  # the adapter fits the student: evaluate the teacher too
+            m = json.loads((tooleval.run(sess, "sft", tdig) / "eval.json").read_text())
+            shared["teacher_success"], shared["teacher_success_lenient"] = m["success"], m["success_lenient"]
     e = tooleval.run(sess, stage, policy)
     metrics = json.loads((e / "eval.json").read_text())
     after = {p for p in sess.store.root.glob("*/*") if not p.name.startswith(".")}

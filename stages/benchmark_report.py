@@ -48,7 +48,22 @@ def machine(threads: int) -> dict:
     from .models import env_versions
 
     return {**env_versions(), "cpu_count": os.cpu_count(), "torch_threads": threads or "default",
-            "node": platform.node()}
+            "node": platform.node(), "code": code_revision()}
+
+
+def code_revision() -> str | None:
+    """The git commit the result was computed with ('+dirty' when tracked files were modified)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (rev + ("+dirty" if dirty else "")) or None
 
 
 def markdown(doc: dict) -> str:
@@ -66,7 +81,7 @@ def markdown(doc: dict) -> str:
         f"protocol-SFT teacher {base['sft']['teacher_steps']} SFT steps; {b['updates']} optimizer updates per "
         f"training arm; seeds {b['seeds']}.",
         f"Machine: {doc['machine'].get('device')} ({doc['machine'].get('cpu_count')} CPUs, torch threads "
-        f"{doc['machine'].get('torch_threads')}), torch {doc['machine'].get('torch')}; harness wall "
+        f"{doc['machine'].get('torch_threads')}), torch {doc['machine'].get('torch')}, code {doc['machine'].get('code') or '?'}; harness wall "
         f"{doc['wall_seconds']:.0f} s.", "",
         "| " + " | ".join(h for _, h in COLS) + " |", "|" + "---|" * len(COLS)]
     for r in doc["results"]:
@@ -91,6 +106,9 @@ def markdown(doc: dict) -> str:
     for r in doc["results"]:
         for k, v in r["shared"].items():
             shared.setdefault(f"{k} (seed {r['seed']})" if k == "cold_start_seconds" else k, v)
+    if "teacher_success" in shared:
+        lines += ["", f"The protocol-SFT teacher itself (base + its adapter, greedy, same held-out tasks): strict "
+                      f"{_fmt(shared.pop('teacher_success'))}, lenient {_fmt(shared.pop('teacher_success_lenient'))}."]
     if shared:
         lines += ["", "Shared stages (computed once, reused by every arm that needs them): " +
                   "; ".join(f"{k} {_fmt(v)}" for k, v in sorted(shared.items())) + "."]

@@ -207,13 +207,38 @@ def differences(work: Path, ref: Path, *, store_only: bool = False) -> list[str]
     return diffs
 
 
+def _what_differs(a: Path, b: Path) -> str:
+    """For a mismatch report: which Parquet columns differ (and by how much), else sizes."""
+    if a.suffix != ".parquet":
+        return f"{a.stat().st_size} vs {b.stat().st_size} bytes"
+    import pyarrow.parquet as pq
+
+    ta, tb = pq.read_table(a), pq.read_table(b)
+    if ta.schema != tb.schema or ta.num_rows != tb.num_rows:
+        return f"schema/rows differ ({ta.num_rows} vs {tb.num_rows} rows)"
+    out = []
+    for name in ta.column_names:
+        ca, cb = ta.column(name).to_pylist(), tb.column(name).to_pylist()
+        if ca == cb:
+            continue
+        rows = [i for i, (x, y) in enumerate(zip(ca, cb)) if x != y]
+        flat = lambda v: v if isinstance(v, list) else [v]  # noqa: E731
+        gaps = [abs(x - y) for i in rows for x, y in zip(flat(ca[i]), flat(cb[i]))
+                if isinstance(x, float) and isinstance(y, float)]
+        out.append(f"{name} rows {rows[:5]}" + (f" max|d|={max(gaps):.3g}" if gaps else ""))
+    return ", ".join(out) or "same values, different bytes (metadata)"
+
+
 def entry_differences(wa: Path, ra: Path, entries) -> list[str]:
     """Store dirs (e.g. 'rollout/<digest>') whose files differ between two artifacts dirs."""
     diffs = []
     for e in sorted(entries):
         a, b = wa / "store" / e, ra / "store" / e
-        if _manifest_files(a) != _manifest_files(b):
-            diffs.append(f"store/{e}: manifest differs")
+        fa, fb = _manifest_files(a), _manifest_files(b)
+        if fa != fb:
+            what = [f"{r}: {_what_differs(a / r, b / r) if r in fa and r in fb else 'only in one'}"
+                    for r in sorted(set(fa) | set(fb)) if fa.get(r) != fb.get(r)]
+            diffs.append(f"store/{e}: manifest differs ({'; '.join(what)})")
             continue
         for rel in _manifest_files(b):
             if os.path.samefile(a / rel, b / rel):  # a hard link to the reference's own file

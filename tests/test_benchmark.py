@@ -93,3 +93,25 @@ def test_failure_attribution_classes():
                               "42") == ("substantive", "wrong-final-answer")
     bad = {"role": "tool", "content": '<tool_result>{"error": "division by zero"}</tool_result>'}
     assert tooleval.attribute(_row(turns=[call, bad]), "42") == ("substantive", "out-of-turns")
+
+
+def test_the_committed_tooluse_result_matches_its_config_and_the_readme():
+    """The real experiment (hours on a CPU) is not re-run here: its config must still compose for every
+    arm x seed, the committed result must be that config's, and the README's table must quote it."""
+    import re
+
+    from stages import benchmark
+    from support import ROOT
+
+    b = benchmark.load(ROOT / "conf" / "benchmark" / "tooluse.yaml")
+    cfgs = benchmark.configs(b)
+    assert {k for k in cfgs if k[0]} == {(a["name"], s) for a in b["arms"] for s in b["seeds"]}  # + a base per seed
+    doc = json.loads((ROOT / "benchmarks" / "results" / f"{b['name']}.json").read_text())
+    assert doc["schema"] == "opd-stages/tooluse-benchmark" and doc["benchmark"]["arms"] == b["arms"]
+    assert {(r["arm"], r["seed"]) for r in doc["results"]} == {(a["name"], s) for a in b["arms"] for s in b["seeds"]}
+    assert all(r["updates"] == (0 if r["arm"] == "cold-start-only" else b["updates"]) for r in doc["results"])
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| [^|]+ \| (\d\.\d{3}), (\d\.\d{3}) \| (\d\.\d{3}) \|", readme, flags=re.M)
+    quoted = sorted((float(a), float(b_), float(m)) for a, b_, m in rows)
+    committed = sorted((*(round(x, 3) for x in m["per_seed_success"]), round(m["success"], 3)) for m in doc["means"])
+    assert quoted == committed

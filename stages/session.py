@@ -128,6 +128,11 @@ class Session:
             self._prepared = prepare.run(self)
         return self._prepared
 
+    @property
+    def background_publish(self) -> bool:
+        """Publish update outputs on a worker thread (CUDA: the host is free while the GPU samples)."""
+        return self.device.type == "cuda"
+
     def runtime_slice(self) -> dict:
         s = {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch.")}
         if self.device.type == "cpu":  # CPU kernels may split reductions by thread count: part of the bytes

@@ -149,7 +149,10 @@ class Store:
         processes on the same store; the second finds the first one's result published.
         background=True: `produce` runs now, sealing (fsync, hashing, manifest) and the rename run on
         a worker thread while the caller goes on; `wait`/`get`/`flush` join it. A crash before the
-        rename loses only that unpublished output, which the next run recomputes to the same bytes."""
+        rename loses only that unpublished output, which the next run recomputes to the same bytes.
+        `produce` may return a callable `rest(tmpdir)`: the rest of its writes (e.g. device -> host
+        copies and serialisation), run on the worker before sealing, or right away without background;
+        the caller must not change what `rest` reads until it has joined (`wait`)."""
         self.wait(self.path(stage, dig))
         if (d := self.get(stage, dig, deep)) is not None:
             return d, False
@@ -172,9 +175,14 @@ class Store:
             try:
                 fault(f"{stage}.before", tmp)
                 t0 = time.perf_counter()
-                produce(tmp)
+                rest = produce(tmp)
+                rest = rest if callable(rest) else None
+                if rest is not None and not background:
+                    rest(tmp)
+                    rest = None
                 self._clock(f"{stage}.produce", t0)
-                fault("publish.after_temp_write", tmp)
+                if rest is None:
+                    fault("publish.after_temp_write", tmp)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -187,7 +195,7 @@ class Store:
                 from concurrent.futures import ThreadPoolExecutor
 
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opd-publish")
-            self._pending[final] = self._pool.submit(self._publish, tmp, stage, dig, lock)
+            self._pending[final] = self._pool.submit(self._finish, rest, tmp, stage, dig, lock)
         else:
             t0 = time.perf_counter()
             self._publish(tmp, stage, dig, lock)
@@ -197,6 +205,20 @@ class Store:
     def _clock(self, key: str, t0: float) -> None:
         """Seconds spent per stage in produce and in (synchronous) publish, for the benchmarks."""
         self.seconds[key] = round(self.seconds.get(key, 0.0) + time.perf_counter() - t0, 4)
+
+    def _finish(self, rest, tmp: Path, stage: str, dig: str, lock) -> None:
+        """Worker thread: the producer's deferred writes (if any), then seal and rename."""
+        if rest is not None:
+            try:
+                t0 = time.perf_counter()
+                rest(tmp)
+                self._clock(f"{stage}.deferred", t0)
+                fault("publish.after_temp_write", tmp)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                self._release(lock)
+                raise
+        self._publish(tmp, stage, dig, lock)
 
     def _publish(self, tmp: Path, stage: str, dig: str, lock) -> None:
         parent, final = tmp.parent, self.path(stage, dig)

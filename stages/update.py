@@ -202,6 +202,11 @@ def run(sess: Session, k: int) -> Path:
             gr["lr"] = lr
         state: dict = {"stage": "update", "step": k, "digest": dig, "lr": lr}
         io = state["io_s"] = {"inputs": round(time.perf_counter() - t_in, 4)}  # outside the timed phase
+        # the previous update may still be writing its adapter and moments on the publish thread:
+        # they are read from the live tensors, so join it before this step changes them
+        t_w = time.perf_counter()
+        sess.store.wait(prev)
+        io["wait_previous_publish"] = round(time.perf_counter() - t_w, 4)
         student.train()
 
         def attempt(chunk: int):  # run again with a halved chunk after a CUDA OOM (memory.chunk_retry)
@@ -226,18 +231,23 @@ def run(sess: Session, k: int) -> Path:
             io["engine_refresh"] = round(time.perf_counter() - t_r, 4)
         state.update({k2: round(v, 6) for k2, v in stats.items()}, grad_norm=round(float(gn), 6))
         state["kl"] = state["loss"] if cfg.objective.name == "forward_kl_topk" else None
-        t_s = time.perf_counter()
-        save_adapter(student, tmp / "adapter", f"opd-store/model/{sess.prepared['student']}")
-        io["save_adapter"] = round(time.perf_counter() - t_s, 4)
-        fault("update.mid", tmp)  # half-written: adapter saved, optimizer not yet
-        t_s = time.perf_counter()
-        save_optimizer(opt, named, tmp / "optimizer.safetensors")
-        io["save_optimizer"] = round(time.perf_counter() - t_s, 4)
-        write_json(tmp / "state.json", state)
 
-    # On CUDA the update's files (adapter + AdamW moments) are sealed and renamed on a worker thread
-    # while the next rollout runs; the resident student already holds policy k.
-    d, _ = sess.store.ensure("update", dig, produce, background=sess.device.type == "cuda")
+        def rest(tmp: Path) -> None:  # the writes: on the publish thread under background publishing
+            t_s = time.perf_counter()
+            save_adapter(student, tmp / "adapter", f"opd-store/model/{sess.prepared['student']}")
+            io["save_adapter"] = round(time.perf_counter() - t_s, 4)
+            fault("update.mid", tmp)  # half-written: adapter saved, optimizer not yet
+            t_s = time.perf_counter()
+            save_optimizer(opt, named, tmp / "optimizer.safetensors")
+            io["save_optimizer"] = round(time.perf_counter() - t_s, 4)
+            write_json(tmp / "state.json", state)
+
+        return rest
+
+    # On CUDA the update's files (adapter + AdamW moments) are copied to the host, serialised, sealed
+    # and renamed on a worker thread while the next rollout runs; the resident student already holds
+    # policy k, and the next update joins this publish before its optimizer step changes the tensors.
+    d, _ = sess.store.ensure("update", dig, produce, background=sess.background_publish)
     return d
 
 

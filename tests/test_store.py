@@ -58,6 +58,46 @@ def test_failed_produce_publishes_nothing(tmp_path):
     assert [q.name for q in (tmp_path / "store" / "s").iterdir() if not q.name.endswith(".lock")] == []
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_deferred_writes_run_before_sealing_and_a_failure_publishes_nothing(tmp_path, background):
+    """`produce` may return the rest of its writes: run on the publish thread (background) or at once."""
+    import threading
+
+    st = Store(tmp_path)
+    where = []
+
+    def produce(d):
+        (d / "a.txt").write_text("now")
+
+        def rest(d2):
+            where.append(threading.current_thread().name)
+            (d2 / "b.txt").write_text("later")
+        return rest
+
+    p, computed = st.ensure("s", "ok", produce, background=background)
+    st.wait(p)
+    assert computed and set(json.loads((p / "manifest.json").read_text())["files"]) == {"a.txt", "b.txt"}
+    assert where[0].startswith("opd-publish") if background else where == ["MainThread"]
+
+    def failing(d):
+        (d / "a.txt").write_text("now")
+
+        def rest(d2):
+            raise OSError(28, "No space left on device")
+        return rest
+
+    p, _ = st.ensure("s", "bad", failing, background=background) if background else (st.path("s", "bad"), None)
+    if background:
+        with pytest.raises(OSError):
+            st.wait(p)
+    else:
+        with pytest.raises(OSError):
+            st.ensure("s", "bad", failing)
+    assert st.get("s", "bad") is None
+    assert not [q for q in (tmp_path / "store" / "s").iterdir() if q.name.startswith(".tmp")]
+    st.ensure("s", "bad", produce)  # the lock was released: the digest can be produced again
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no_manifest", "extra_file"])
 def test_damaged_output_is_recomputed_with_a_warning(tmp_path, capsys, damage):
     st = Store(tmp_path)

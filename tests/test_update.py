@@ -105,3 +105,43 @@ def test_no_tokens_by_vocab_fp32_tensor_beyond_one_chunk():
     biggest = max((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), default=0)
     assert biggest < full / 2, (biggest, full)
     assert biggest >= 2 * V * 4  # sanity: one chunk of logits did get allocated
+
+
+def test_background_publish_writes_the_same_bytes_on_the_publish_thread(work, monkeypatch):
+    """What CUDA does (adapter + AdamW moments copied, serialised, sealed and renamed on the publish
+    thread while the next step runs), forced on the CPU: the same files as synchronous publishing,
+    and each update joined its predecessor's publish before changing the tensors it reads."""
+    import json
+    import shutil
+    import threading
+
+    from stages import store as store_mod
+    from stages import train
+    from stages.session import Session
+    from support import session
+
+    real = update.save_optimizer
+
+    def run(tag: str, background: bool) -> dict:
+        monkeypatch.setattr(Session, "background_publish", property(lambda s: background))
+        threads: list[str] = []
+        monkeypatch.setattr(update, "save_optimizer",
+                            lambda *a: (threads.append(threading.current_thread().name), real(*a))[1])
+        sess = session(work, "train.updates=3", "runtime.threads=1", f"run={tag}")
+        train.run(sess)
+        out = {}
+        for k in (1, 2, 3):
+            d = sess.policy_dir(k)
+            assert store_mod.Store(sess.store.root.parent).verify(d)
+            out[k] = {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*"))
+                      if p.is_file() and p.name not in ("state.json", "manifest.json")}
+            st = json.loads((d / "state.json").read_text())
+            assert {"save_adapter", "save_optimizer", "wait_previous_publish"} <= set(st["io_s"])
+        shutil.rmtree(sess.store.root / "update")  # the second run computes every update again
+        return out, threads
+
+    sync, t_sync = run("sync", False)
+    bg, t_bg = run("bg", True)
+    assert bg == sync and len(sync[3]) >= 3  # adapter weights + config + optimizer state, byte for byte
+    assert t_sync == ["MainThread"] * 3
+    assert len(t_bg) == 3 and all(t.startswith("opd-publish") for t in t_bg)

@@ -12,6 +12,11 @@ OPD = str(Path(sys.executable).parent / "opd")
 TINY = ["student.name=arch:tiny-llama", "student.init=random", "student.keep_layers=0",
         "teacher.name=arch:tiny-llama-teacher", "teacher.init=random", "data.num_train=8", "data.num_eval=4",
         "rollout.max_new_tokens=8", "eval.max_new_tokens=8", "train.updates=3", "objective.topk=8"]
+# Where the embedded model is not installed (the lent GPU machine: its GGUF is over the carry limit),
+# the random-init models take the same SmolLM2 tokenizer from a directory of its files.
+TOKENIZER_DIR = os.environ.get("OPD_TEST_TOKENIZER")
+TOKENIZER = [f"{r}.tokenizer={TOKENIZER_DIR}" for r in ("student", "teacher")] if TOKENIZER_DIR else []
+TINY += TOKENIZER
 
 
 

@@ -12,14 +12,15 @@ import torch
 from stages import cli, config, plan, shapes
 from stages.config import ROOT, LoraCfg, ModelCfg
 from stages.errors import UserError
+from support import TOKENIZER
 
 GIB = 2**30
 TINY = ["student.name=arch:tiny-llama", "student.init=random", "student.keep_layers=0",
-        "teacher.name=arch:tiny-llama-teacher", "teacher.init=random", "objective.topk=8"]
+        "teacher.name=arch:tiny-llama-teacher", "teacher.init=random", "objective.topk=8", *TOKENIZER]
 # the seed workload of ANCHORS.md: SmolLM2-360M student, SmolLM2-1.7B teacher, 128 + 64 tokens, 4 prompts
 SEED = ["student.name=arch:smollm2-360m", "student.init=random", "student.keep_layers=0",
         "teacher.name=arch:smollm2-1.7b", "teacher.init=random", "data.max_prompt_tokens=128",
-        "rollout.max_new_tokens=64", "rollout.batch_size=4", "runtime.device=cuda", "memory.vram_gib=16"]
+        "rollout.max_new_tokens=64", "rollout.batch_size=4", "runtime.device=cuda", "memory.vram_gib=16", *TOKENIZER]
 
 
 def cfg(*over):

@@ -1,29 +1,19 @@
-"""The real `opd` command on tiny random Llamas with the real SmolLM2 tokenizer: outputs, resume
-after SIGKILL with byte-identical results, cross-run reuse, and the run view."""
+"""The real `opd` command on tiny random Llamas with the real SmolLM2 tokenizer: outputs, cross-run
+reuse, and the run view. (Resume after SIGKILL at 31 points, byte-identical: tests/reliability.)"""
 from __future__ import annotations
 
 import csv
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-import pytest
 
 from support import TINY, opd
-
-STEP_FILES = ["rollout.parquet", "scores.parquet", "optimizer.safetensors", "adapter/adapter_model.safetensors",
-              "adapter/adapter_config.json"]
 
 
 def store_dirs(root: Path) -> set[str]:
     return {f"{p.parent.name}/{p.name}" for p in (root / "artifacts" / "store").glob("*/*") if not p.name.startswith(".")}
-
-
-def step_bytes(root: Path, steps: int) -> dict[str, bytes]:
-    run = root / "artifacts" / "runs" / "default"
-    return {f"{k}/{f}": (run / f"step-{k:04d}" / f).read_bytes() for k in range(1, steps + 1) for f in STEP_FILES}
 
 
 def test_run_produces_a_complete_run_view(work):
@@ -65,26 +55,6 @@ def test_run_produces_a_complete_run_view(work):
     before = store_dirs(work)
     r2 = opd("run", *TINY, cwd=work)
     assert store_dirs(work) == before
-
-
-@pytest.mark.parametrize("point", ["publish.before_rename:7"])  # 31 more points: tests/reliability
-def test_sigkill_mid_train_resumes_byte_identical(work, tmp_path_factory, point):
-    ref = tmp_path_factory.mktemp("ref")
-    (ref / "conf").symlink_to(work / "conf")
-    shutil.copytree(work / "artifacts", ref / "artifacts")
-    opd("run", *TINY, cwd=ref)
-
-    killed = opd("run", *TINY, cwd=work, env={"OPD_FAULT": point}, check=False)
-    assert killed.returncode == -9  # SIGKILL, mid-train
-    assert not (work / "artifacts" / "runs" / "default" / "train.json").exists()
-    partial = store_dirs(work)
-    opd("run", *TINY, cwd=work)
-    assert partial < store_dirs(work)  # resumed: kept what was published, added the rest
-    assert step_bytes(work, 3) == step_bytes(ref, 3)
-    assert store_dirs(work) == store_dirs(ref)
-    # no temp dirs left behind by the killed writer once the run completed
-    leftovers = [p for p in (work / "artifacts" / "store").glob("*/.tmp-*")]
-    assert all(p.name.split("-")[-1].isdigit() for p in leftovers)  # only the dead pid's dir, never published
 
 
 def test_changing_only_the_objective_reuses_rollout_1(work):

@@ -139,6 +139,7 @@ def activate(sess, role: str) -> None:
     other = "teacher" if role == "student" else "student"
     held = sess._teacher if other == "teacher" else sess._student
     if held is not None and other not in sess._on_host:
+        sess.store.flush()  # an update still being written reads the student's tensors where they are
         if other == "student" and sess._engine:
             sess._engine = None  # its weights and graphs live on the device; rebuilt at the next rollout
         move(held, torch.device("cpu"))

@@ -98,11 +98,15 @@ def test_shared_teacher_refuses_different_materialised_models():
 def test_swap_moves_the_idle_role_and_drops_the_engine(monkeypatch):
     moves = []
     monkeypatch.setattr(memory, "move", lambda model, dev: moves.append((model, dev.type)))
+    # an update still being written on the publish thread reads the student's tensors: joined first
+    store = SimpleNamespace(flush=lambda: moves.append(("flush", None)))
     sess = SimpleNamespace(placement="swap", device=torch.device("cuda"), _student="S", _teacher="T",
-                           _engine="E", _on_host=set())
+                           _engine="E", _on_host=set(), store=store)
     memory.activate(sess, "teacher")  # score: the student (and its engine) wait in host memory
-    assert moves == [("S", "cpu")] and sess._on_host == {"student"} and sess._engine is None
+    assert moves == [("flush", None), ("S", "cpu")] and sess._on_host == {"student"} and sess._engine is None
+    moves.remove(("flush", None))
     memory.activate(sess, "student")  # rollout/update: the teacher leaves, the student comes back
+    moves.remove(("flush", None))
     assert moves[1:] == [("T", "cpu"), ("S", "cuda")] and sess._on_host == {"teacher"}
     memory.ensure_on_device(sess, "teacher")  # an accessor (evaluate) brings it back, evicting nothing
     assert moves[3:] == [("T", "cuda")] and sess._on_host == set()

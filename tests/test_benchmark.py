@@ -110,6 +110,9 @@ def test_the_committed_tooluse_result_matches_its_config_and_the_readme():
     assert doc["schema"] == "opd-stages/tooluse-benchmark" and doc["benchmark"]["arms"] == b["arms"]
     assert {(r["arm"], r["seed"]) for r in doc["results"]} == {(a["name"], s) for a in b["arms"] for s in b["seeds"]}
     assert all(r["updates"] == (0 if r["arm"] == "cold-start-only" else b["updates"]) for r in doc["results"])
+    # student and teacher are the same model there, so the protocol-SFT teacher was evaluated too
+    teacher = [r["shared"]["teacher_success"] for r in doc["results"] if r["arm"] == "opd-protocol-sft-teacher"]
+    assert len(teacher) == 2 and 0 <= teacher[0] <= 1 and doc["machine"]["code"]
     readme = (ROOT / "README.md").read_text()
     rows = re.findall(r"^\| [^|]+ \| (\d\.\d{3}), (\d\.\d{3}) \| (\d\.\d{3}) \|", readme, flags=re.M)
     quoted = sorted((float(a), float(b_), float(m)) for a, b_, m in rows)

@@ -19,7 +19,15 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 OPD = str(Path(sys.executable).parent / "opd")
 sys.path.insert(0, str(HERE.parent))
-from support import TINY  # noqa: E402,F401  (re-exported) the suite's tiny run: random tiny Llamas, real SmolLM2 tokenizer, 3 updates
+from support import TINY as _TINY  # noqa: E402
+
+# The suite's tiny run (random tiny Llamas, real SmolLM2 tokenizer, 3 updates), on ONE intra-op
+# thread. On the CI machine (2 cores), twice in about six runs, a rollout that a resumed process
+# computed differed from the uninterrupted run's in exactly the batch rows the second intra-op
+# thread computes (rows 2-3 of 4), the other rows bit-identical; never here under any perturbation
+# tried (load, CPU ISA, allocator garbage, thread counts). This suite checks what kill/resume does
+# to the store; one thread keeps that check apart from the open thread question (see README).
+TINY = [*_TINY, "runtime.threads=1"]
 
 # Every named fault point (OPD_FAULT=<point>[:<n>][@kill|term|int|enospc], stages/store.py `fault`).
 # Store.ensure fires <stage>.before (temp dir made, nothing computed) and <stage>.after (published)
@@ -223,9 +231,13 @@ def _what_differs(a: Path, b: Path) -> str:
             continue
         rows = [i for i, (x, y) in enumerate(zip(ca, cb)) if x != y]
         flat = lambda v: v if isinstance(v, list) else [v]  # noqa: E731
-        gaps = [abs(x - y) for i in rows for x, y in zip(flat(ca[i]), flat(cb[i]))
-                if isinstance(x, float) and isinstance(y, float)]
-        out.append(f"{name} rows {rows[:5]}" + (f" max|d|={max(gaps):.3g}" if gaps else ""))
+        per_row = []  # row: first differing position and the largest float gap in that row
+        for i in rows[:5]:
+            pairs = list(zip(flat(ca[i]), flat(cb[i])))
+            first = next((j for j, (x, y) in enumerate(pairs) if x != y), len(pairs))
+            gaps = [abs(x - y) for x, y in pairs if isinstance(x, float) and isinstance(y, float)]
+            per_row.append(f"{i}@{first}" + (f" |d|<={max(gaps):.3g}" if gaps else ""))
+        out.append(f"{name} rows [{'; '.join(per_row)}]")
     return ", ".join(out) or "same values, different bytes (metadata)"
 
 

@@ -108,8 +108,12 @@ class Session:
     def adapter_changed(self, dig: str) -> None:
         """The resident student now holds policy `dig` (loaded or trained in place)."""
         self._policy = dig
-        if self._engine:
-            self._engine.refresh()
+        if self._engine and self.device.type == "cuda":
+            self._engine.refresh()  # in place: the captured graphs keep reading the same buffers
+        elif self._engine:
+            # CPU: rebuilt at the next rollout, exactly as a resumed process builds it from the
+            # loaded policy, so an uninterrupted and a resumed run share one construction path
+            self._engine = None
 
     def engine(self):
         """The rollout engine for the student's current policy (None: transformers fallback)."""

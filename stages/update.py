@@ -223,12 +223,10 @@ def run(sess: Session, k: int) -> Path:
                 raise UserError(f"update step {k}: gradient norm is {float(gn)}; stopped before publishing")
             opt.step()
         student.eval()
-        sess._policy = dig  # the resident student now holds policy k
+        t_r = time.perf_counter()
+        sess.adapter_changed(dig)  # the resident student now holds policy k (engine refreshed or dropped)
+        io["engine_refresh"] = round(time.perf_counter() - t_r, 4)
         sess._opt = (dig, opt, named)  # ...and the resident AdamW its moments (no reload next step)
-        if sess._engine:
-            t_r = time.perf_counter()
-            sess._engine.refresh()
-            io["engine_refresh"] = round(time.perf_counter() - t_r, 4)
         state.update({k2: round(v, 6) for k2, v in stats.items()}, grad_norm=round(float(gn), 6))
         state["kl"] = state["loss"] if cfg.objective.name == "forward_kl_topk" else None
 

@@ -129,9 +129,29 @@ def _cpu_account(request):
     _CPU[request.node.nodeid] = now() - t
 
 
+def _machine() -> str:
+    """What a cross-machine difference in bytes would be traced to: CPU model, vector ISA, threads."""
+    import torch
+
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                k, _, v = ln.partition(":")
+                info.setdefault(k.strip(), v.strip())
+    except OSError:
+        pass
+    flags = set(info.get("flags", "").split())
+    isa = "/".join(x for x in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if x in flags) or "?"
+    model = (f"{info.get('vendor_id', '?')} {info.get('model name', '?')} (family {info.get('cpu family', '?')} "
+             f"model {info.get('model', '?')} stepping {info.get('stepping', '?')}, {isa})")
+    return (f"{model}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+            f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads by default")
+
+
 def pytest_terminal_summary(terminalreporter):
     if _CPU:
         top = sorted(_CPU.items(), key=lambda kv: -kv[1])[:15]
-        terminalreporter.write_line(f"reliability CPU: {sum(_CPU.values()):.0f} s in tests")
+        terminalreporter.write_line(f"reliability CPU: {sum(_CPU.values()):.0f} s in tests on {_machine()}")
         for k, v in top:
             terminalreporter.write_line(f"  {v:6.1f} s  {k.split('::')[-1]}")

@@ -48,6 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cpu_peer_report import markdown  # noqa: E402  (benchmarks/ is on sys.path when this runs as a script)
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MV_PYTHON = "/work/venv-mv/bin/python"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -336,55 +338,6 @@ def summarize(s: dict) -> None:
     s["median_update_s"] = med(tail_(s["step_wall_s"]))
     s["median_phase_s"] = {ph: med(tail_(v)) for ph, v in s["phases_s"].items()}
     s["median_cpu_s_per_update"] = med(tail_(s["cpu_s_per_update"])) if s.get("cpu_s_per_update") else None
-
-
-def markdown(r: dict) -> str:
-    w = r["workload"]
-    L = [f"# CPU peer benchmark — {r['date']}", "",
-         f"Machine: {r['machine']['cpu']} ({r['machine']['cpu_count']} CPUs, shared; load average at start "
-         f"{r['machine']['loadavg_start']}, at end {r['machine']['loadavg_end']}); torch threads {w['threads']} on both sides.",
-         "",
-         f"Workload: tiny random Llama student (2 layers, d 64) and teacher (3 layers, d 96), SmolLM2 vocabulary "
-         f"(49,152), fp32 on CPU; {w['prompts']} prompts x ({w['prompt_tokens']} prompt + {w['response']} forced "
-         f"response tokens) per update, LoRA r16/alpha32 on 7 projections, direct forward_kl_topk k={w['topk']}, "
-         f"{w['updates']} updates, medians over updates 2..{w['updates']}.", "",
-         f"Command: `{r['command']}`", "",
-         "| system | median s/update (wall) | rollout s | score s | update s | median CPU s/update | "
-         "first update incl. construction s | process wall s / CPU s | process peak RSS GiB |",
-         "|---|---|---|---|---|---|---|---|---|"]
-    for s in r["systems"]:
-        label = s["name"] + (f" [{s['run']}]" if s.get("run") else "")
-        if "error" in s:
-            first = next((ln for ln in s["error"].strip().splitlines()[::-1] if ln.strip()), "")
-            L.append(f"| {label} | not run: {first[:200]} ||||||||")
-            continue
-        ph = s["median_phase_s"]
-        L.append(f"| {label} | {s['median_update_s']} | {ph['rollout']} | {ph['score']} | {ph['update']} | "
-                 f"{s.get('median_cpu_s_per_update')} | {s.get('first_update_incl_construction_s')} | "
-                 f"{s['process']['wall_s']} / {s['process']['cpu_s']} | {s['process']['peak_rss_gib']} |")
-    L += [""]
-    c = r["comparison"]
-    if c.get("ratio_ours_over_miniverl") is not None:
-        L += [f"**Ours / miniVERL time per update: {c['ratio_ours_over_miniverl']}x** "
-              f"(ours {c['ours_median_update_s']} s pooled over {c['ours_runs']} runs, vs miniVERL's faster arm "
-              f"{c['miniverl_arm']}: {c['miniverl_median_update_s']} s). Target ≤ 0.5x: "
-              f"{'met' if c['target_met'] else 'missed'}.", ""]
-        if c.get("ratios_per_arm"):
-            L += ["Per miniVERL arm (wall): " + ", ".join(f"{k}: {v}x" for k, v in c["ratios_per_arm"].items()), ""]
-        L += ["Per phase vs that arm (wall): " + ", ".join(f"{k}: {v}x" for k, v in c["per_phase_ratio_vs_that_arm"].items()), ""]
-        if c.get("cpu_ratios_per_arm"):
-            L += [f"CPU time per update (less sensitive to the shared machine's load): ours {c['ours_median_cpu_s_per_update']} s; "
-                  "ratio per arm: " + ", ".join(f"{k}: {v}x" for k, v in c["cpu_ratios_per_arm"].items()), ""]
-    else:
-        L += ["No ratio: " + c.get("why", "a side did not run"), ""]
-    L += ["Identical-workload checks: " + ", ".join(f"{k}: {v}" for k, v in r["checks"].items()), ""]
-    L += ["Deviations: " + " ".join(r["deviations"]), ""]
-    L += ["Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()), ""]
-    L += ["Per-update wall times (s):", ""]
-    for s in r["systems"]:
-        if "error" not in s:
-            L.append(f"- {s['name']}{' [' + s['run'] + ']' if s.get('run') else ''}: {s['step_wall_s']}")
-    return "\n".join(L) + "\n"
 
 
 def main(argv=None) -> int:

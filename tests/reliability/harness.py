@@ -22,10 +22,10 @@ sys.path.insert(0, str(HERE.parent))
 from support import TINY as _TINY  # noqa: E402
 
 # The suite's tiny run (random tiny Llamas, real SmolLM2 tokenizer, 3 updates), on ONE intra-op
-# thread. On the CI machine (2 cores), twice in about six runs, a rollout that a resumed process
-# computed differed from the uninterrupted run's in exactly the batch rows the second intra-op
-# thread computes (rows 2-3 of 4), the other rows bit-identical; never here under any perturbation
-# tried (load, CPU ISA, allocator garbage, thread counts). This suite checks what kill/resume does
+# thread. On the CI machine (2 cores), in two CI runs, a rollout that a resumed process computed
+# differed from the uninterrupted run's (where rows were recorded: rows 2-3 of 4, the half a second
+# intra-op thread computes; rows 0-1 bit-identical); never here under any perturbation tried (load,
+# one CPU, CPU ISA, allocator garbage, thread counts). This suite checks what kill/resume does
 # to the store; one thread keeps that check apart from the open thread question (see README).
 TINY = [*_TINY, "runtime.threads=1"]
 

@@ -24,6 +24,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_THREADS: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """A test's in-process Session may set runtime.threads (process-wide in torch); the next test
+    starts from the default again, since the thread count is part of CPU stage digests."""
+    import torch
+
+    if not _THREADS:
+        _THREADS.append(torch.get_num_threads())
+    yield
+    if torch.get_num_threads() != _THREADS[0]:
+        torch.set_num_threads(_THREADS[0])
+
+
 @pytest.fixture(scope="session")
 def seeded_store(tmp_path_factory) -> Path:
     """A store holding the tokenizer and the tiny models (built once per test session)."""

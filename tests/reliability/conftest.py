@@ -129,6 +129,15 @@ def _cpu_account(request):
     _CPU[request.node.nodeid] = now() - t
 
 
+def _default_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+_DEFAULT_THREADS = _default_threads()  # read at collection, before any test sets a thread count
+
+
 def _machine() -> str:
     """What a cross-machine difference in bytes would be traced to: CPU model, vector ISA, threads."""
     import torch
@@ -146,7 +155,7 @@ def _machine() -> str:
     model = (f"{info.get('vendor_id', '?')} {info.get('model name', '?')} (family {info.get('cpu family', '?')} "
              f"model {info.get('model', '?')} stepping {info.get('stepping', '?')}, {isa})")
     return (f"{model}, {os.cpu_count()} CPUs, torch {torch.__version__} "
-            f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads by default")
+            f"{torch.backends.cpu.get_cpu_capability()}, {_DEFAULT_THREADS} threads by default")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -151,3 +151,20 @@ def test_background_publish_writes_the_same_bytes_on_the_publish_thread(work, mo
     assert bg == sync and len(sync[3]) >= 3  # adapter weights + config + optimizer state, byte for byte
     assert t_sync == ["MainThread"] * 3
     assert len(t_bg) == 3 and all(t.startswith("opd-publish") for t in t_bg)
+
+
+def test_on_cpu_an_update_drops_the_engine_and_the_next_one_holds_the_new_policy(work):
+    """CPU: the update does not refresh the sampling weights in place; the next rollout builds them
+    from the resident policy, the construction a resumed process uses (one path for both)."""
+    from stages import sampler, train
+    from support import session
+
+    sess = session(work, "train.updates=1")
+    train.run(sess)  # rollout(1) builds the engine at policy 0; update(1) trains policy 1 in place
+    assert sess._engine is None
+    student = sess.student()
+    qkv = sess.engine().W["layers"][0]["qkv"]
+    assert torch.equal(qkv, sampler.sampling_weights(student)["layers"][0]["qkv"])
+    with student.disable_adapter():
+        base = sampler.sampling_weights(student)["layers"][0]["qkv"]
+    assert not torch.equal(qkv, base)  # policy 1's LoRA delta is merged in (B moved off zero)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -129,19 +130,11 @@ def _cpu_account(request):
     _CPU[request.node.nodeid] = now() - t
 
 
-def _default_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
-_DEFAULT_THREADS = _default_threads()  # read at collection, before any test sets a thread count
+_DEFAULT_THREADS = torch.get_num_threads()  # read at collection, before any test sets a thread count
 
 
 def _machine() -> str:
     """What a cross-machine difference in bytes would be traced to: CPU model, vector ISA, threads."""
-    import torch
-
     info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:

@@ -71,7 +71,7 @@ def run(sess: Session, k: int) -> Path:
         # rule reward where the prompt row carries reward_model.ground_truth (None: no reward)
         truths = [rewards.ground_truth({"reward_model": r}) for r in prompts.column("reward_model").to_pylist()] \
             if "reward_model" in prompts.column_names else [None] * prompts.num_rows
-        student = sess.use_policy(k - 1)
+        student = sess.use_policy(k - 1, sample=True)  # engine build counts as input, not sampling
         state: dict = {"stage": "rollout", "step": k, "digest": dig}
         io = state["io_s"] = {"inputs": round(time.perf_counter() - t_in, 4)}  # outside the timed phase
         with phase(sess.device, state) as ph:

@@ -92,10 +92,14 @@ class Session:
             prepare.model_digest(self, getattr(self.cfg, role), role, deep=True)
         return d
 
-    def use_policy(self, k: int):
-        """The student holding policy version k (adapter read back from the store)."""
+    def use_policy(self, k: int, sample: bool = False):
+        """The student holding policy version k (adapter read back from the store). sample=True also
+        builds its rollout engine now, so the build stays outside the caller's timed phase."""
         self.activate("student")  # rollout and update: the student's phases
-        return self.use_adapter(self.policy_dir(k).parent.name, self.policy_digest(k))
+        student = self.use_adapter(self.policy_dir(k).parent.name, self.policy_digest(k))
+        if sample:
+            self.engine()
+        return student
 
     def use_adapter(self, stage: str, dig: str):
         """The student holding the adapter published by (stage, dig): init, sft or update."""
@@ -108,9 +112,11 @@ class Session:
     def adapter_changed(self, dig: str) -> None:
         """The resident student now holds policy `dig` (loaded or trained in place)."""
         self._policy = dig
-        if self._engine and self.device.type == "cuda":
+        if not self._engine:
+            return
+        if self.device.type == "cuda":
             self._engine.refresh()  # in place: the captured graphs keep reading the same buffers
-        elif self._engine:
+        else:
             # CPU: rebuilt at the next rollout, exactly as a resumed process builds it from the
             # loaded policy, so an uninterrupted and a resumed run share one construction path
             self._engine = None

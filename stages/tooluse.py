@@ -245,7 +245,7 @@ def rollout(sess: Session, k: int) -> Path:
         tasks = load_tasks(sess, "train")
         idx = batch_indices(len(tasks), cfg.rollout.batch_size, k, f"{sess.prepared['tasks_train']}:{cfg.train.seed}")
         idx = [i for i in idx for _ in range(cfg.rollout.n)]  # n samples per task, grouped
-        sess.use_policy(k - 1)
+        sess.use_policy(k - 1, sample=True)  # engine built before the timed phase
         state: dict = {"stage": "rollout", "step": k, "digest": dig, "env": cfg.env.name}
         with phase(sess.device, state) as ph:
             trajs = run_episodes(sess, env, [tasks[i] for i in idx], cfg.env.max_turns, cfg.env.max_tokens_per_turn,

@@ -225,7 +225,8 @@ def run(sess: Session, k: int) -> Path:
         student.eval()
         t_r = time.perf_counter()
         sess.adapter_changed(dig)  # the resident student now holds policy k (engine refreshed or dropped)
-        io["engine_refresh"] = round(time.perf_counter() - t_r, 4)
+        if sess._engine:  # CUDA: refreshed in place (CPU drops it; the next rollout builds it)
+            io["engine_refresh"] = round(time.perf_counter() - t_r, 4)
         sess._opt = (dig, opt, named)  # ...and the resident AdamW its moments (no reload next step)
         state.update({k2: round(v, 6) for k2, v in stats.items()}, grad_norm=round(float(gn), 6))
         state["kl"] = state["loss"] if cfg.objective.name == "forward_kl_topk" else None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from support import OPD, ROOT, TINY, opd, session  # noqa: F401  (re-exported)
+from support import OPD, ROOT, DEFAULT_THREADS, TINY, opd, session  # noqa: F401  (re-exported)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,20 +24,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-_THREADS: list[int] = []
-
-
 @pytest.fixture(autouse=True)
 def _restore_torch_threads():
     """A test's in-process Session may set runtime.threads (process-wide in torch); the next test
     starts from the default again, since the thread count is part of CPU stage digests."""
     import torch
 
-    if not _THREADS:
-        _THREADS.append(torch.get_num_threads())
     yield
-    if torch.get_num_threads() != _THREADS[0]:
-        torch.set_num_threads(_THREADS[0])
+    if torch.get_num_threads() != DEFAULT_THREADS:
+        torch.set_num_threads(DEFAULT_THREADS)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 OPD = str(Path(sys.executable).parent / "opd")
 TINY = ["student.name=arch:tiny-llama", "student.init=random", "student.keep_layers=0",
@@ -17,6 +19,9 @@ TINY = ["student.name=arch:tiny-llama", "student.init=random", "student.keep_lay
 TOKENIZER_DIR = os.environ.get("OPD_TEST_TOKENIZER")
 TOKENIZER = [f"{r}.tokenizer={TOKENIZER_DIR}" for r in ("student", "teacher")] if TOKENIZER_DIR else []
 TINY += TOKENIZER
+# torch's intra-op thread count as this test process started (tests/conftest.py restores it after
+# each test: in-process sessions may set runtime.threads, and it is part of CPU stage digests)
+DEFAULT_THREADS = torch.get_num_threads()
 
 
 

@@ -106,8 +106,8 @@ def test_swap_moves_the_idle_role_and_drops_the_engine(monkeypatch):
     assert moves == [("flush", None), ("S", "cpu")] and sess._on_host == {"student"} and sess._engine is None
     moves.remove(("flush", None))
     memory.activate(sess, "student")  # rollout/update: the teacher leaves, the student comes back
+    assert moves[1:] == [("flush", None), ("T", "cpu"), ("S", "cuda")] and sess._on_host == {"teacher"}
     moves.remove(("flush", None))
-    assert moves[1:] == [("T", "cpu"), ("S", "cuda")] and sess._on_host == {"teacher"}
     memory.ensure_on_device(sess, "teacher")  # an accessor (evaluate) brings it back, evicting nothing
     assert moves[3:] == [("T", "cuda")] and sess._on_host == set()
     moves.clear()

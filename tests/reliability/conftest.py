@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import ROOT, TINY, Proc, Server  # noqa: E402
+from support import DEFAULT_THREADS  # noqa: E402
 import tracer  # noqa: E402
 
 
@@ -130,9 +131,6 @@ def _cpu_account(request):
     _CPU[request.node.nodeid] = now() - t
 
 
-_DEFAULT_THREADS = torch.get_num_threads()  # read at collection, before any test sets a thread count
-
-
 def _machine() -> str:
     """What a cross-machine difference in bytes would be traced to: CPU model, vector ISA, threads."""
     info: dict[str, str] = {}
@@ -148,7 +146,7 @@ def _machine() -> str:
     model = (f"{info.get('vendor_id', '?')} {info.get('model name', '?')} (family {info.get('cpu family', '?')} "
              f"model {info.get('model', '?')} stepping {info.get('stepping', '?')}, {isa})")
     return (f"{model}, {os.cpu_count()} CPUs, torch {torch.__version__} "
-            f"{torch.backends.cpu.get_cpu_capability()}, {_DEFAULT_THREADS} threads by default")
+            f"{torch.backends.cpu.get_cpu_capability()}, {DEFAULT_THREADS} threads by default")
 
 
 def pytest_terminal_summary(terminalreporter):

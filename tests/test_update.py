@@ -50,8 +50,13 @@ def test_chunked_equals_unchunked_values_and_gradients():
             got, g = run(chunk, mode=mode)
             assert abs(got["loss"] - ref["loss"]) < 1e-5, (mode, chunk)
             assert set(g) == set(gref) and len(g) > 0
+            # Chunking only reorders fp32 sums, so compare norm-wise: an element-wise rtol fails on
+            # entries that are small after cancellation, whose absolute error is set by the size of
+            # the terms summed, not by the result (seen on AMD EPYC: 1e-6 gaps on 4e-2 entries).
+            # Observed norm-wise gaps are ~4e-6 (~70 units of fp32 rounding); 1e-4 is 25x that.
             for n in g:
-                assert torch.allclose(g[n], gref[n], atol=1e-6, rtol=1e-4), (mode, chunk, n)
+                rel = float((g[n] - gref[n]).norm() / gref[n].norm())
+                assert rel < 1e-4, (mode, chunk, n, rel)
     assert ref["loss"] > 0.01  # a real divergence between two different random models
 
 

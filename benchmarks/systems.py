@@ -74,9 +74,7 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile_dir:
     import pyarrow as pa
     from transformers import AutoTokenizer
 
-    from stages import config, tables
-    from stages.session import Session
-    from stages import prepare
+    from stages import config, tables, train
 
     tokenizer = str(Path(tokenizer).resolve())
     tok = AutoTokenizer.from_pretrained(tokenizer)
@@ -99,7 +97,7 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile_dir:
     cfg = config.compose(overrides)
     params.write_text(json.dumps(config.to_dict(cfg)))  # JSON is YAML
     t = time.perf_counter()
-    prepare.run(Session(cfg))  # materialise random weights once (like a download; not timed below)
+    train.session(cfg)  # prepare: materialise random weights once (like a download; not timed below)
     materialize_s = time.perf_counter() - t
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     cmd = [python, "-m", "stages.cli", "stage", "train", "--params", str(params)]
@@ -152,9 +150,8 @@ def profile_steps(overrides: list[str], done: int, out_dir: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from stages import config, rollout, score, train, update
-    from stages.session import Session
 
-    sess = Session(config.compose([*overrides, f"train.updates={done + 2}"]))
+    sess = train.session(config.compose([*overrides, f"train.updates={done + 2}"]))
     train.ensure_policy(sess, done + 1)  # warm: models resident, graphs captured
     k = done + 2
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -173,7 +170,7 @@ def ours_blocks(w: dict) -> dict:
     from types import SimpleNamespace
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from stages import config, lmhead, models, sampler, update
+    from stages import adapters, config, lmhead, models, sampler, update
     from stages.config import LoraCfg
 
     def build(name, seed):
@@ -190,7 +187,7 @@ def ours_blocks(w: dict) -> dict:
     construct = time.perf_counter() - t0
     cfg = config.compose([f"objective.topk={w['topk']}", "train.chunk=1024"])
     sess = SimpleNamespace(cfg=cfg, device=torch.device("cuda"))
-    opt, named = update.make_optimizer(sess, student, None)
+    opt, named = adapters.make_optimizer(cfg.optim, student, None)
     V = student.config.vocab_size
     g = torch.Generator().manual_seed(0)
     rows = []

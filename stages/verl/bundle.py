@@ -30,6 +30,7 @@ from .. import rewards, tables
 from ..errors import UserError
 from ..store import write_json
 from . import checks, rules
+from .mapping import _fmt
 
 VERL_LOSS = {"forward_kl_topk": "forward_kl_topk", "k1": "k1", "k2": "k2", "mse": "mse", "k3": "k3",
              "low_var_kl": "low_var_kl", "abs": "abs", "pg_k1_rewarded": "k1"}
@@ -39,8 +40,6 @@ def verl_overrides(cfg, root: Path) -> tuple[list[str], list[dict]]:
     """(Hydra overrides for verl's ppo_trainer config, deviations: what verl would do differently).
 
     A deviation with "blocking": true means verl cannot express the setting at all."""
-    from .mapping import _fmt
-
     ob, ro, dev = cfg.objective, cfg.rollout, []
     task = ob.name == "pg_k1_rewarded"
     if ob.name not in VERL_LOSS:
@@ -164,16 +163,14 @@ def _sha256(path: Path) -> str:
 
 
 def export(sess, out: Path) -> Path:
-    """Write the bundle atomically (temp dir, then rename); returns OUT."""
-    from .. import train
-
+    """Write the bundle atomically (temp dir, then rename); returns OUT. The final policy is published
+    first (the driver: stages/train.py ensure_policy)."""
     cfg = sess.cfg
     out = Path(out).resolve()
     final = sess.policy_digest(cfg.train.updates)
-    stage = "update" if cfg.train.updates else "init"
-    if sess.store.get(stage, final) is None:
-        train.ensure_policy(sess, cfg.train.updates)
-    pol = sess.store.path(stage, final)
+    pol = sess.store.get(sess.chain.policy_stage(cfg.train.updates), final)
+    if pol is None:
+        raise UserError(f"export --verl: the final policy {final[:12]} is not in the store; run train first")
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -1,7 +1,7 @@
 """Systems benchmark: our pipeline and the peers on identical workloads, in one run on one machine.
 
     python benchmarks/systems.py --workload a --peers trl --tokenizer DIR --out benchmarks/results
-    (also: opd bench systems ...)
+    (also: opd benchmark systems ...)
 
 Workload (a), the seed workload shape: SmolLM2-360M student / SmolLM2-1.7B teacher, random-init
 weights of the real shapes (conf/arch/), bf16, 4 prompts x (128 prompt + 64 response) tokens per

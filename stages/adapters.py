@@ -62,7 +62,11 @@ def save_adapter(student, out: Path, base_name: str) -> None:
     pc = student.peft_config["default"]
     pc.base_model_name_or_path = base_name
     out.mkdir(parents=True, exist_ok=True)
-    save_file(to_cpu(get_peft_model_state_dict(student)), out / "adapter_model.safetensors", metadata={"format": "pt"})
+    # save_embedding_layers=False: the vocabulary is never resized here (prepare checks student and teacher
+    # share one tokenizer), so PEFT need not look for the base's config.json to find out (the stable
+    # base name is not a path: it warned "Could not find a config file" on every save)
+    state = get_peft_model_state_dict(student, save_embedding_layers=False)
+    save_file(to_cpu(state), out / "adapter_model.safetensors", metadata={"format": "pt"})
     pc.save_pretrained(out)
     # PEFT keeps target_modules as a set: its JSON order follows string hashing, which changes per
     # process. Sorted, the file is byte-reproducible.

@@ -1,4 +1,4 @@
-"""`opd benchmark CONFIG`: tool-use arms x seeds with an equal optimizer-update budget.
+"""`opd benchmark tooluse CONFIG`: tool-use arms x seeds with an equal optimizer-update budget.
 
 CONFIG (YAML, e.g. conf/benchmark/tooluse.yaml):
 
@@ -32,11 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 from . import tooleval, tooluse, train
 from .benchmark_report import write
-from .config import compose, conf_dir, to_dict
+from .config import compose, conf_dir, read_yaml, to_dict
 from .errors import UserError
 from .store import read_state
 
@@ -54,14 +52,7 @@ HARNESS_FIELDS = ("train.updates", "env.name", "env.split", "env.num_test", "env
 
 def load(path: str | os.PathLike) -> dict:
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{p}: benchmark config not found")
-    try:
-        b = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise UserError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(b, dict):
-        raise UserError(f"{p}: expected a mapping at the top level")
+    b = read_yaml(p, str(p), "benchmark config")
     for key in b:
         if key not in TOP_KEYS:
             raise UserError(f"{p}: unknown key '{key}'; expected one of {', '.join(sorted(TOP_KEYS))}")
@@ -219,7 +210,7 @@ def main(path: str, arm_name: str | None = None, seed: int | None = None, result
             print(f"benchmark {b['name']}: arm {arm['name']} seed {seed}", flush=True)
             with tempfile.TemporaryDirectory() as td:
                 res = Path(td) / "result.json"
-                cmd = [sys.executable, "-m", "stages.cli", "benchmark", str(path), "--arm", arm["name"],
+                cmd = [sys.executable, "-m", "stages.cli", "benchmark", "tooluse", str(path), "--arm", arm["name"],
                        "--seed", str(seed), "--result", str(res)]
                 rc = subprocess.run(cmd).returncode
                 if rc != 0:

@@ -119,7 +119,7 @@ def write(b: dict, cfgs: dict, results: list[dict], wall: float) -> dict:
     bench = {k: v for k, v in b.items() if not k.startswith("_")}
     doc = {
         "schema": "opd-stages/tooluse-benchmark", "schema_version": 1, "benchmark": bench,
-        "command": f"opd benchmark {b['_path']}", "base_config": to_dict(base_cfg), "machine": machine(base_cfg.runtime.threads),
+        "command": f"opd benchmark tooluse {b['_path']}", "base_config": to_dict(base_cfg), "machine": machine(base_cfg.runtime.threads),
         "wall_seconds": wall, "results": results, "means": means(b, results),
     }
     out = Path(b["out_dir"])

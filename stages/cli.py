@@ -1,18 +1,22 @@
 """`opd`: the command line. Every command takes Hydra overrides (composed from conf/) or --params FILE.
 
+Pipeline (dvc.yaml's stages; `opd run` runs them all without DVC):
     opd params [overrides]              compose conf/ (+ overrides) into params.yaml, as `dvc exp run -S` does
-    opd run [overrides]                 the whole pipeline without DVC: prepare, train, evaluate, export
-    opd stage NAME [--step N] [...]     one stage (prepare|init|rollout|score|update|train|evaluate|export)
-    opd inspect FILE [--step/--uid/--worst N/--format json]
-    opd benchmark CONFIG                tool-use arms x seeds, equal update budget (conf/benchmark/*.yaml)
-    opd report RUN [--out report.html]  one self-contained HTML page: config, curves, phases, trajectories, eval
+    opd run [overrides]                 prepare, train, evaluate, export; `--plan plan.json [--dry-run]` runs a plan
+    opd stage NAME [overrides]          one DVC stage: prepare | train | evaluate | export | report
+    opd stage rollout|score|update --step N    one step's stage of train (earlier steps run first if needed)
+    opd stage export [--out DIR | --verl OUT]  the PEFT export, or a verl 0.8 bundle with a launchability report
     opd dvc-yaml [--check]              dvc.yaml's params and deps from the stages' declared reads
+Tools:
+    opd inspect FILE [--step/--uid/--worst N/--format json]
+    opd report RUN [--out report.html]  one self-contained HTML page of any run: config, curves, phases, eval
+    opd tooleval [--step N]             greedy held-out tool-use episodes of policy N (env.name set)
+    opd benchmark tooluse CONFIG        tool-use arms x seeds, equal update budget (conf/benchmark/*.yaml)
+    opd benchmark systems [...]         ours and the peers side by side (benchmarks/systems.py, GPU)
     opd doctor [overrides]              versions, CUDA, embedded model, artifacts dir; exit 1 on a blocker
     opd plan [overrides] [--out F]      weight-free memory plan per phase and placement; --probe measures (CUDA)
-    opd plan --profile P --config C     a verl v0.8 OPD config mapped onto ours (+ memory plan) -> plan.json;
-                                        `opd run --plan plan.json [--dry-run]` runs it (stages/verl/cli.py)
+    opd plan --profile P --config C     a verl v0.8 OPD config mapped onto ours (+ memory plan) -> plan.json
     opd profiles list|show NAME         the verl OPD profiles; `opd compat explain FIELD|table`: the mapping
-    opd export [--verl OUT]             the PEFT export, or a verl 0.8 bundle with a launchability report
     opd data sample --out F [--rows N]  a verl-schema prompt Parquet from the prompt generator
 """
 from __future__ import annotations
@@ -26,13 +30,45 @@ from pathlib import Path
 
 from .errors import EXIT_NO_SPACE, Interrupted, UserError
 
-STAGES = ("prepare", "init", "rollout", "score", "update", "train", "evaluate", "export", "sft", "tooleval")
+STAGES = ("prepare", "train", "evaluate", "export", "report")  # dvc.yaml's stages
+STEPS = ("rollout", "score", "update")  # the per-step stages inside train
+# Old spellings: a one-line error naming the command that does the job now.
+MOVED = {
+    ("export",): "opd stage export [--out DIR | --verl OUT]",
+    ("bench",): "opd benchmark systems",
+    ("stage", "init"): "opd stage train (policy 0 is its first stage; `opd tooleval --step 0` publishes it alone)",
+    ("stage", "sft"): "opd stage train (it publishes the SFT cold start and the protocol_sft teacher adapter first; "
+                      "`opd tooleval --step 0` publishes and evaluates the cold start alone)",
+    ("stage", "tooleval"): "opd tooleval",
+}
+
+
+def moved(argv: list[str]) -> str | None:
+    """The error for an old spelling, or None."""
+    for old, new in MOVED.items():
+        if tuple(argv[:len(old)]) == old:
+            return f"`opd {' '.join(old)}` is now `{new}`"
+    if argv[:1] == ["benchmark"] and len(argv) > 1 and argv[1] not in ("tooluse", "systems", "-h", "--help"):
+        return "`opd benchmark CONFIG` is now `opd benchmark tooluse CONFIG`"
+    return None
+
+
+def _config(args):
+    from . import config
+
+    if getattr(args, "plan", None) is not None:  # the config of a verified plan (`opd plan --profile`)
+        from .verl import planfile
+
+        if args.overrides or args.params:
+            raise UserError("--plan: the plan fixes the config; give no overrides or --params (plan again instead)")
+        return planfile.load(args.plan, config.conf_dir())[1]
+    return config.from_args(args.params, args.overrides)
 
 
 def _session(args):
-    from . import config, train
+    from . import train
 
-    return train.session(config.from_args(args.params, args.overrides))
+    return train.session(_config(args))
 
 
 def cmd_params(args) -> None:
@@ -60,56 +96,55 @@ def cmd_run(args) -> None:
 
 
 def cmd_stage(args) -> None:
-    from . import evaluate, export, prepare, rollout, score, tooleval, train, update
+    from . import evaluate, export, prepare, report, rollout, score, train, update
 
     name, k = args.name, args.step
-    if name in ("rollout", "score", "update") and k is None:
+    if name in STEPS and k is None:
         raise UserError(f"opd stage {name} needs --step N (1..train.updates)")
+    if name not in STEPS and k is not None:
+        raise UserError(f"opd stage {name}: --step is for {', '.join(STEPS)}")
+    if name != "export" and (args.out is not None or args.verl is not None):
+        raise UserError(f"opd stage {name}: --out and --verl are for export")
+    if name == "report":  # reads the run view only: no models, no session
+        cfg = _config(args)
+        run_dir = report.locate(cfg.run, cfg.artifacts)
+        print(f"report: {report.write(run_dir, run_dir / 'report.html')}")
+        return
     sess = _session(args)
     if name == "prepare":
         prepare.main(sess)
-    elif name == "init":
-        print(update.init(sess))
-    elif name == "rollout":
-        train.ensure_policy(sess, k - 1)
-        print(f"rollout step {k}: {rollout.run(sess, k) / 'rollout.parquet'}")
-    elif name == "score":
-        train.ensure_policy(sess, k - 1)
-        rollout.run(sess, k)
-        print(score.run(sess, k))
-    elif name == "update":
-        train.ensure_policy(sess, k - 1)
-        rollout.run(sess, k)
-        score.run(sess, k)
-        print(update.run(sess, k))
     elif name == "train":
         train.main(sess)
     elif name == "evaluate":
         train.ensure_policy(sess, sess.cfg.train.updates)
         evaluate.main(sess)
-    elif name == "sft":  # the student's cold start; the protocol_sft teacher adapter when configured
-        cfg = sess.cfg
-        if cfg.env.name is None or not (cfg.sft.steps or cfg.teacher_mode == "protocol_sft"):
-            raise UserError("opd stage sft needs env.name and sft.steps > 0 (cold start) or teacher_mode=protocol_sft")
-        train.policy0(sess)
-        if cfg.sft.steps:
-            print(f"sft cold start (policy 0): {sess.policy_dir(0)}")
-        if cfg.teacher_mode == "protocol_sft":
-            print(f"sft teacher adapter: {sess.store.path('sft', sess.chain.teacher_adapter())}")
-    elif name == "tooleval":  # greedy held-out episodes of policy --step N (default train.updates)
-        if sess.cfg.env.name is None:
-            raise UserError("opd stage tooleval needs a tool environment; set env.name")
-        k = sess.cfg.train.updates if k is None else k
-        train.ensure_policy(sess, k)
-        tooleval.main(sess, k)
     elif name == "export":
         train.ensure_policy(sess, sess.cfg.train.updates)
-        if getattr(args, "verl", None) is not None:
+        if args.verl is not None:
             from .verl import bundle
 
             bundle.main(sess, args.verl)
         else:
             export.main(sess, args.out)
+    else:  # one step: the earlier steps are published first
+        train.ensure_policy(sess, k - 1)
+        d = rollout.run(sess, k)
+        if name == "rollout":
+            print(f"rollout step {k}: {d / 'rollout.parquet'}")
+            return
+        d = score.run(sess, k)
+        print(d if name == "score" else update.run(sess, k))
+
+
+def cmd_tooleval(args) -> None:
+    from . import tooleval, train
+
+    sess = _session(args)
+    if sess.cfg.env.name is None:
+        raise UserError("opd tooleval needs a tool environment; set env.name")
+    k = sess.cfg.train.updates if args.step is None else args.step
+    train.ensure_policy(sess, k)
+    tooleval.main(sess, k)
 
 
 def cmd_inspect(args) -> None:
@@ -124,15 +159,15 @@ def cmd_benchmark(args) -> None:
     benchmark.main(args.config, args.arm, args.seed, args.result)
 
 
-def cmd_bench(args) -> None:
-    """`opd bench systems [--workload ...]`: the driver in benchmarks/systems.py (a repo checkout)."""
+def cmd_benchmark_systems(args) -> None:
+    """`opd benchmark systems [--workload ...]`: the driver in benchmarks/systems.py (a repo checkout)."""
     import runpy
 
     from .config import ROOT
 
     driver = ROOT / "benchmarks" / "systems.py"
     if not driver.is_file():
-        raise UserError(f"{driver}: not found; `opd bench` runs from a checkout of the repository")
+        raise UserError(f"{driver}: not found; `opd benchmark systems` runs from a checkout of the repository")
     sys.argv = [str(driver), *args.overrides]
     runpy.run_path(str(driver), run_name="__main__")
 
@@ -180,13 +215,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", type=Path, help="run a plan.json from `opd plan --profile` (refused if edited)")
     p.add_argument("--dry-run", action="store_true", help="with --plan: show what would run, run nothing")
     p.set_defaults(fn=cmd_run)
-    p = sub.add_parser("stage", help="run one stage")
-    p.add_argument("name", choices=STAGES)
+    p = sub.add_parser("stage", help="run one DVC stage, or one step's rollout/score/update")
+    p.add_argument("name", choices=STAGES + STEPS)
     with_cfg(p)
-    p.add_argument("--step", type=int)
-    p.add_argument("--out", type=Path, help="export: output dir")
+    p.add_argument("--step", type=int, help="rollout/score/update: the step (1..train.updates)")
+    p.add_argument("--out", type=Path, help="export: output dir (default artifacts/export/RUN)")
     p.add_argument("--verl", type=Path, metavar="OUT", help="export: write a verl 0.8 bundle to OUT instead")
+    p.add_argument("--plan", type=Path, help="the config of a plan.json from `opd plan --profile`")
     p.set_defaults(fn=cmd_stage)
+    p = with_cfg(sub.add_parser("tooleval", help="greedy held-out tool-use episodes of one policy (env.name set)"))
+    p.add_argument("--step", type=int, help="the policy version (default train.updates)")
+    p.set_defaults(fn=cmd_tooleval, plan=None)
     p = sub.add_parser("inspect", help="print trajectories of a rollout/scores Parquet or a run step")
     p.add_argument("path", help="rollout.parquet, scores.parquet, a step dir or a run dir")
     p.add_argument("--step", type=int)
@@ -212,18 +251,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="exit 1 if dvc.yaml differs from the declarations")
     p.add_argument("--file", help="the dvc.yaml to write or check (default: the checkout's)")
     p.set_defaults(fn=cmd_dvc_yaml)
-    p = sub.add_parser("benchmark", help="tool-use arms x seeds with an equal update budget (JSON + Markdown)")
+    p = sub.add_parser("benchmark", help="benchmarks: tool-use arms x seeds, or systems side by side with the peers")
+    bsub = p.add_subparsers(dest="kind", required=True)
+    p = bsub.add_parser("tooluse", help="tool-use arms x seeds with an equal update budget (JSON + Markdown)")
     p.add_argument("config", help="a benchmark YAML, e.g. conf/benchmark/tooluse.yaml")
     # internal: the harness runs each (arm, seed) in its own process through these
     p.add_argument("--arm", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_benchmark)
-    p = sub.add_parser("bench", help="systems benchmarks: ours and the peers side by side (GPU)",
-                       add_help=False)
-    p.add_argument("which", choices=("systems",))
-    p.set_defaults(fn=cmd_bench, overrides=[])  # every further argument goes to the driver
-    from .verl.cli import add_commands  # plan, profiles, compat, export, data
+    p = bsub.add_parser("systems", help="ours and the peers side by side (GPU; benchmarks/systems.py)",
+                        add_help=False)
+    p.set_defaults(fn=cmd_benchmark_systems, overrides=[])  # every further argument goes to the driver
+    from .verl.cli import add_commands  # plan --profile, profiles, compat, data
 
     add_commands(sub, with_cfg)
     return ap
@@ -245,10 +285,14 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if (why := moved(argv)) is not None:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     ap = build_parser()
     # overrides may follow options (`opd stage score --step 2 k=v`): collect the leftovers
     args, extra = ap.parse_known_args(argv)
-    if extra and args.fn is cmd_bench:
+    if extra and args.fn is cmd_benchmark_systems:
         args.overrides = extra
     elif extra:
         if any(x.startswith("-") for x in extra) or not hasattr(args, "overrides"):

@@ -318,6 +318,21 @@ def from_container(data: Any, source: str) -> Config:
     return validate(cfg, source)
 
 
+def read_yaml(path: str | os.PathLike, label: str, what: str = "file", of: str = "") -> dict:
+    """A YAML file that must hold a mapping (OmegaConf's YAML: 1e-4 is a float; interpolations are
+    left as written). UserError `label: ...` when it is missing, not YAML, or not a mapping."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{label}: {what} not found")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(p), resolve=False)
+    except Exception as e:  # yaml syntax errors
+        raise UserError(f"{label}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{label}: expected a mapping{of} at the top level")
+    return data
+
+
 def load(path: str | os.PathLike = "params.yaml") -> Config:
     p = Path(path)
     if not p.exists():

@@ -153,9 +153,9 @@ def load_config(params: str | None, overrides: list[str]):
             return config.load(params), Check("config", OK, f"{params}")
         if not overrides and Path("params.yaml").is_file():
             return config.load("params.yaml"), Check("config", OK, "params.yaml")
-        conf = Path.cwd() / "conf" if (Path.cwd() / "conf" / "config.yaml").exists() else None
+        conf = config.conf_dir()
         cfg = config.compose(overrides, conf)
-        return cfg, Check("config", OK, f"{'conf/' if conf else 'built-in conf/'}" +
+        return cfg, Check("config", OK, f"{'conf/' if conf == Path.cwd() / 'conf' else 'built-in conf/'}" +
                           (f" + {' '.join(overrides)}" if overrides else ""))
     except UserError as e:
         return None, Check("config", FAIL, str(e))

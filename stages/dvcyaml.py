@@ -33,7 +33,7 @@ PIPELINE = {
                  f"    metrics:\n      - {RUN}/metrics.json\n"),
     "export": ("opd stage export --params params.yaml", "stages.export", [f"{RUN}/train.json"], [],
                "    outs:\n      - artifacts/export/${run}:\n          cache: false\n"),
-    "report": ("opd report ${run} --out " + RUN + "/report.html", "stages.report",
+    "report": ("opd stage report --params params.yaml", "stages.report",
                [f"{RUN}/train.json", f"{RUN}/history.csv", f"{RUN}/metrics.json"], [],
                f"    outs:\n      - {RUN}/report.html:\n          cache: false\n"),
 }

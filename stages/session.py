@@ -64,7 +64,7 @@ class Session:
                 d = self.store.get("sft", dig)
                 if d is None:
                     raise UserError(f"teacher_mode=protocol_sft: the teacher adapter sft/{dig[:12]} is not in the "
-                                    "store; run `opd stage sft` (or `opd stage train`) first")
+                                    "store; run `opd stage train` first")
                 teacher = adapters.merged(teacher, d / "adapter", self.cfg.lora)
             self._teacher = teacher
         self._on_device("teacher")

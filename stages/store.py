@@ -16,7 +16,6 @@ import shutil
 import signal
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,9 +24,6 @@ import xxhash
 from .errors import UserError
 
 MANIFEST = "manifest.json"
-# Files whose content is a record of how a computation went (timings, memory), not what it
-# computed: hashed for integrity like every file, but never part of the byte-identity claims.
-VOLATILE = {"state.json"}
 
 
 def canonical(obj: Any) -> bytes:
@@ -84,8 +80,6 @@ def fault(point: str, path: str | os.PathLike | None = None) -> None:
     os.kill(os.getpid(), {"": signal.SIGKILL, "kill": signal.SIGKILL, "term": signal.SIGTERM,
                           "int": signal.SIGINT}[action])
 
-
-_fault = fault
 
 
 _FAULT_COUNTS: dict[str, int] = {}

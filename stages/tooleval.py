@@ -19,7 +19,6 @@ import json
 import re
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 
 from . import envs, tables, tooluse
@@ -132,8 +131,3 @@ def attribution(eval_dir: Path, tasks: list) -> dict:
         out["reasons"][why] = out["reasons"].get(why, 0) + 1
     out["reasons"] = dict(sorted(out["reasons"].items()))
     return out
-
-
-def model_tokens(eval_dir: Path) -> float:
-    t = tables.read(eval_dir / "trajectories.parquet")
-    return float(np.mean([sum(m) for m in t.column("response_mask").to_pylist()])) if t.num_rows else 0.0

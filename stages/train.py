@@ -144,6 +144,7 @@ def run(sess: Session) -> dict:
 
 def main(sess: Session) -> dict:
     out = run(sess)
-    print(f"train: {out['updates']} updates, final policy update/{out['final_policy'][:12]} "
+    print(f"train: {out['updates']} updates, final policy {sess.chain.policy_stage(out['updates'])}/"
+          f"{out['final_policy'][:12]} "
           f"(run view {sess.run_dir})")
     return out

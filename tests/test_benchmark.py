@@ -1,4 +1,4 @@
-"""`opd benchmark`: config errors and undeclared arm differences are rejected before any model
+"""`opd benchmark tooluse`: config errors and undeclared arm differences are rejected before any model
 loads (exit 2, naming the field); a tiny end-to-end run writes the schema'd JSON + Markdown and a
 re-run reuses every finished arm; failure attribution classes."""
 from __future__ import annotations
@@ -40,7 +40,7 @@ def write(path, **changes):
 ])
 def test_bad_benchmarks_exit_2_before_loading_models(work, changes, needle):
     cfg = write(work / "bench.yaml", **changes)
-    r = opd("benchmark", str(cfg), cwd=work, check=False)
+    r = opd("benchmark", "tooluse", str(cfg), cwd=work, check=False)
     assert r.returncode == 2 and needle in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not (work / "artifacts" / "store" / "init").exists()  # nothing was loaded or computed
@@ -48,7 +48,7 @@ def test_bad_benchmarks_exit_2_before_loading_models(work, changes, needle):
 
 def test_tiny_benchmark_end_to_end_and_rerun_reuses_arms(work):
     cfg = write(work / "bench.yaml")
-    opd("benchmark", str(cfg), cwd=work, timeout=900)
+    opd("benchmark", "tooluse", str(cfg), cwd=work, timeout=900)
     doc = json.loads((work / "results" / "tiny.json").read_text())
     assert doc["schema"] == "opd-stages/tooluse-benchmark" and doc["schema_version"] == 1
     rs = {r["arm"]: r for r in doc["results"]}
@@ -67,7 +67,7 @@ def test_tiny_benchmark_end_to_end_and_rerun_reuses_arms(work):
     md = (work / "results" / "tiny.md").read_text()
     assert "| arm | seed | objective | updates | strict success | lenient success |" in md
     assert "presentational" in md and "opd benchmark" in md
-    opd("benchmark", str(cfg), cwd=work, timeout=900)
+    opd("benchmark", "tooluse", str(cfg), cwd=work, timeout=900)
     again = json.loads((work / "results" / "tiny.json").read_text())
     assert all(r["new_store_entries"] == 0 for r in again["results"])
     strip = lambda rr: [{k: v for k, v in r.items() if k != "new_store_entries"} for r in rr]  # noqa: E731

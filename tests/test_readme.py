@@ -42,7 +42,7 @@ COVERED = {
     "dvc plots show": "tests/integration/test_dvc_plots.py::test_plots_show_renders_the_curves",
     # the real experiment takes hours on a CPU: its config is validated and its README table checked
     # against the committed result; the same command runs end to end on a tiny config
-    "opd benchmark conf/benchmark/tooluse.yaml":
+    "opd benchmark tooluse conf/benchmark/tooluse.yaml":
         "tests/test_benchmark.py::test_the_committed_tooluse_result_matches_its_config_and_the_readme",
 }
 # Example names in the README -> what stands in for them here (filled in by the `workspace` fixture).

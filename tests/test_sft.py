@@ -98,16 +98,16 @@ def test_protocol_sft_teacher_is_base_plus_adapter(work):
     assert not hasattr(psft.teacher(), "peft_config")  # merged: a plain model for scoring
 
 
-def test_sft_and_tooleval_run_alone_from_the_cli(work):
+def test_policy0_and_tooleval_run_alone_from_the_cli(work):
     from support import TINY, opd
 
     args = [*TINY, "env.name=sqlite", "env.split=default", "env.num_train=4", "env.num_test=2", "env.max_turns=2",
             "env.max_tokens_per_turn=6", "sft.steps=1"]
-    r = opd("stage", "sft", *args, cwd=work)
-    assert "sft cold start (policy 0)" in r.stdout
-    r = opd("stage", "tooleval", "--step", "0", *args, cwd=work)
+    r = opd("tooleval", "--step", "0", *args, cwd=work)  # publishes policy 0 (the cold start), evaluates it
     assert "tooleval policy 0: strict" in r.stdout and "over 2 held-out tasks" in r.stdout
-    r = opd("stage", "sft", *TINY, cwd=work, check=False)
+    assert len([d for d in (work / "artifacts/store/sft").iterdir() if not d.name.startswith(".")]) == 1
+    assert not (work / "artifacts/store/update").exists()  # policy 0 only: no training step ran
+    r = opd("tooleval", *TINY, cwd=work, check=False)
     assert r.returncode == 2 and "env.name" in r.stderr
 
 

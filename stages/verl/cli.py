@@ -5,21 +5,20 @@
     opd run --plan plan.json [--dry-run]            (the run subcommand's options; see plan_session)
     opd profiles list | show NAME
     opd compat explain FIELD | table [--out docs/compat.md]
-    opd export [--verl OUT] [--out DIR] [overrides]
     opd data sample --format verl-parquet --out FILE [--rows N] [overrides]
 
-`opd plan` without --profile is the weight-free memory plan of issue 5 (stages/plan.py); with
---profile it maps the verl config first, then plans memory when that planner exists.
+`opd plan` without --profile is the weight-free memory plan (stages/plan.py); with --profile it maps
+the verl config first, then plans memory. The verl bundle is `opd stage export --verl OUT`.
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from .. import config, export, planview, train
+from .. import config, planview, train
 from .. import plan as memory_planner
 from ..errors import UserError
-from . import bundle, compat, data, planfile
+from . import compat, data, planfile
 
 
 def cmd_plan(args) -> None:
@@ -37,11 +36,10 @@ def cmd_plan(args) -> None:
     out = planfile.write(plan, Path(args.out or "plan.json"))
     c = plan["mapping"]["counts"]
     mem = plan["memory"]
-    if mem is not None:
-        planview.render(mem)
+    planview.render(mem)
     print(f"plan: {out} (profile {args.profile}; {c['exact']} exact, {c['reinterpreted']} reinterpreted, "
           f"{c['ignored-informational']} informational fields; memory: {plan['memory_status']})")
-    if mem is not None and not mem.get("feasible", True):
+    if not mem["feasible"]:
         raise UserError(memory_planner.infeasible_message(mem))
 
 
@@ -96,20 +94,6 @@ def cmd_compat(args) -> None:
             sys.stdout.write(text)
 
 
-def cmd_export(args) -> None:
-    if args.plan is not None:  # the config of a verified plan (as `opd run --plan` ran it)
-        if args.overrides or args.params:
-            raise UserError("opd export --plan: the plan fixes the config; give no overrides or --params")
-        sess = train.session(planfile.load(args.plan, config.conf_dir())[1])
-    else:
-        sess = train.session(config.from_args(args.params, args.overrides))
-    train.ensure_policy(sess, sess.cfg.train.updates)
-    if args.verl is not None:
-        bundle.main(sess, args.verl)
-    else:
-        export.main(sess, args.out)
-
-
 def cmd_data(args) -> None:
     if args.format != "verl-parquet":
         raise UserError(f"--format {args.format!r}: expected verl-parquet")
@@ -132,18 +116,10 @@ def _plan_arguments(p) -> None:
 
 
 def add_commands(sub, with_cfg) -> None:
-    """Register plan, profiles, compat, export and data on `opd`'s subparsers."""
-    names = set(sub.choices)
-    if "plan" in names:  # the memory planner registered `opd plan` first: extend its parser
-        p = sub.choices["plan"]
-        memory_fn = p.get_default("fn")
-        _plan_arguments(p)
-        p.set_defaults(fn=lambda a: cmd_plan(a) if getattr(a, "profile", None) else memory_fn(a))
-    else:
-        p = sub.add_parser("plan", help="plan a run: map a verl profile config (--profile) and/or plan memory")
-        _plan_arguments(p)
-        p.add_argument("overrides", nargs="*", help="our Hydra overrides, applied after the mapped ones")
-        p.set_defaults(fn=cmd_plan)
+    """Register plan --profile, profiles, compat and data on `opd`'s subparsers."""
+    p = sub.choices["plan"]  # the memory plan's command (stages/cli.py) gains --profile and its options
+    _plan_arguments(p)
+    p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("profiles", help="list the verl OPD profiles or show one")
     p.add_argument("action", choices=("list", "show"))
     p.add_argument("name", nargs="?")
@@ -153,12 +129,6 @@ def add_commands(sub, with_cfg) -> None:
     p.add_argument("field", nargs="?")
     p.add_argument("--out", help="table: write to this file (docs/compat.md)")
     p.set_defaults(fn=cmd_compat)
-    if "export" not in names:
-        p = with_cfg(sub.add_parser("export", help="export the trained adapter (PEFT), or a verl bundle (--verl)"))
-        p.add_argument("--verl", type=Path, metavar="OUT", help="write a verl 0.8 bundle to OUT instead")
-        p.add_argument("--out", type=Path, help="PEFT export dir (default artifacts/export/RUN)")
-        p.add_argument("--plan", type=Path, help="use the config of a plan.json (as `opd run --plan`)")
-        p.set_defaults(fn=cmd_export)
     p = sub.add_parser("data", help="data utilities")
     dsub = p.add_subparsers(dest="data_action", required=True)
     p = with_cfg(dsub.add_parser("sample", help="write a verl-schema prompt Parquet from the prompt generator"))

@@ -20,7 +20,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..config import ROOT
+from ..config import ROOT, read_yaml
 from ..errors import UserError
 from . import fields, rules
 
@@ -109,16 +109,7 @@ def parse_sets(sets: list[str]) -> dict:
 
 
 def read_config_file(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"--config {path}: file not found")
-    try:
-        data = OmegaConf.to_container(OmegaConf.load(p), resolve=False)
-    except Exception as e:
-        raise UserError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"--config {path}: expected a mapping of verl fields at the top level")
-    return data
+    return read_yaml(path, f"--config {path}", of=" of verl fields")
 
 
 # ---- the mapping ----

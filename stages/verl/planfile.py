@@ -1,8 +1,8 @@
 """plan.json for `opd plan --profile` and `opd run --plan`: the mapping, the resolved config, a digest.
 
 The plan records what was asked (profile, config, --set, --accept, our overrides), what it maps to
-(our Hydra overrides and the resolved config) and, when the weight-free memory planner exists
-(stages/plan.py, issue 5), its estimate; an infeasible estimate is written, then refused. `digest`
+(our Hydra overrides and the resolved config) and the weight-free memory plan's estimate
+(stages/plan.py); an infeasible estimate is written, then refused. `digest`
 is the sha256 of the canonical JSON of everything else, so `opd run --plan` refuses a plan edited
 after planning; it also recomposes the config from the recorded overrides and refuses to run if
 conf/ has changed since (the plan would be stale).
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import config as config_mod
+from .. import files
 from .. import plan as memory_planner
 from .. import probe as memory_probe
 from ..errors import UserError
@@ -46,13 +47,13 @@ def make(profile: str, config: str, sets: list[str], accept: list[str], override
     cfg = config_mod.compose(all_overrides, conf_dir)
     mem = memory_plan(cfg)
     _check_vocab(cfg, mem, report)
-    if probe and mem is not None and mem.get("feasible", True):  # measured peaks beside the estimate (CUDA)
+    if probe and mem["feasible"]:  # measured peaks beside the estimate (CUDA)
         mem["probe"] = memory_probe.run(cfg, mem)
     plan = {
         "schema": SCHEMA,
         "profile": profile,
         "config": config,
-        "config_sha256": None if config.startswith("builtin:") else _sha256(Path(config)),
+        "config_sha256": None if config.startswith("builtin:") else files.sha256(Path(config)),
         "sets": list(sets),
         "accept": list(accept),
         "mapped_overrides": mapped,
@@ -61,16 +62,15 @@ def make(profile: str, config: str, sets: list[str], accept: list[str], override
         "resolved": dataclasses.asdict(cfg),
         "mapping": report,
         "memory": mem,
-        "memory_status": ("no memory planner available (stages/plan.py)" if mem is None else
-                          "feasible" if mem.get("feasible", True) else "infeasible"),
+        "memory_status": "feasible" if mem["feasible"] else "infeasible",
     }
     plan["digest"] = content_digest(plan)
     return plan
 
 
-def _check_vocab(cfg, mem: Optional[dict], report: dict) -> None:
+def _check_vocab(cfg, mem: dict, report: dict) -> None:
     """top-k larger than the vocabulary, caught at plan time (weight-free: config files only)."""
-    vocab = (mem or {}).get("models", {}).get("student", {}).get("vocab")
+    vocab = mem.get("models", {}).get("student", {}).get("vocab")
     if vocab is None:
         try:
             vocab = shape_of(cfg.student, "student").vocab
@@ -121,7 +121,3 @@ def _first_difference(a: Any, b: Any, prefix: str = "") -> str:
             if a.get(k) != b.get(k):
                 return _first_difference(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else k)
     return prefix or "?"
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -1,4 +1,4 @@
-"""Bundle out: `opd export --verl OUT` on a tiny trained run. The overrides compose with verl 0.8.0's
+"""Bundle out: `opd stage export --verl OUT` on a tiny trained run. The overrides compose with verl 0.8.0's
 own Hydra config into its dataclasses (checked here independently of the export's own check); the
 adapter loads on the base; tokenizer, Parquet schema and SHA256SUMS hold; launchable says so."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ def exported(tmp_path_factory, seeded_store):
     (d / "conf").symlink_to(ROOT / "conf")
     for part in ("tokenizer", "model"):
         shutil.copytree(seeded_store / part, d / "artifacts" / "store" / part)
-    r = opd("export", "--verl", "out", *TINY, "train.updates=1", "data.generator=arith",
+    r = opd("stage", "export", "--verl", "out", *TINY, "train.updates=1", "data.generator=arith",
             "objective.name=pg_k1_rewarded", "objective.use_policy_gradient=true", "rollout.n=2", cwd=d)
     return d / "out", r
 

@@ -298,10 +298,11 @@ def trl_peer(w: dict, work: Path, python: str, seed: dict) -> dict:
 
 
 # miniVERL 0.16's rollout backends on CUDA without vLLM (not carried; its managed engine needs a
-# server): hf_reference (the default), hf_cached (batched static KV cache) and hf_cached with
-# rollout.compile_backend (torch.compile of the cached decode backbone, CUDA only)
-MINIVERL_ARMS = (("hf_reference", "hf_reference", False), ("hf_cached", "hf_cached", False),
-                 ("hf_cached+compile", "hf_cached", True))
+# server): hf_reference (the default), hf_cached with rollout.compile_backend (torch.compile of the
+# cached decode backbone, CUDA only) and plain hf_cached (batched KV cache), in that order (under
+# --deadline-s the last ones are the first to go)
+MINIVERL_ARMS = (("hf_reference", "hf_reference", False), ("hf_cached+compile", "hf_cached", True),
+                 ("hf_cached", "hf_cached", False))
 
 
 def miniverl_peer(w: dict, work: Path, python: str, seed: dict, arms: list[str], timeout: float) -> list[dict]:

@@ -6,6 +6,7 @@
     opd inspect FILE [--step/--uid/--worst N/--format json]
     opd benchmark CONFIG                tool-use arms x seeds, equal update budget (conf/benchmark/*.yaml)
     opd report RUN [--out report.html]  one self-contained HTML page: config, curves, phases, trajectories, eval
+    opd dvc-yaml [--check]              dvc.yaml's params and deps from the stages' declared reads
     opd doctor [overrides]              versions, CUDA, embedded model, artifacts dir; exit 1 on a blocker
     opd plan [overrides] [--out F]      weight-free memory plan per phase and placement; --probe measures (CUDA)
     opd plan --profile P --config C     a verl v0.8 OPD config mapped onto ours (+ memory plan) -> plan.json;
@@ -150,6 +151,12 @@ def cmd_plan(args) -> None:
     plan.main(args)
 
 
+def cmd_dvc_yaml(args) -> None:
+    from . import dvcyaml
+
+    dvcyaml.main(args)
+
+
 def cmd_doctor(args) -> None:
     from . import doctor
 
@@ -203,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_cfg(sub.add_parser("doctor", help="check this machine: versions, CUDA, embedded model, artifacts dir"))
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.set_defaults(fn=cmd_doctor)
+    p = sub.add_parser("dvc-yaml", help="write dvc.yaml from the stages' declared reads (--check: compare only)")
+    p.add_argument("--check", action="store_true", help="exit 1 if dvc.yaml differs from the declarations")
+    p.add_argument("--file", help="the dvc.yaml to write or check (default: the checkout's)")
+    p.set_defaults(fn=cmd_dvc_yaml)
     p = sub.add_parser("benchmark", help="tool-use arms x seeds with an equal update budget (JSON + Markdown)")
     p.add_argument("config", help="a benchmark YAML, e.g. conf/benchmark/tooluse.yaml")
     # internal: the harness runs each (arm, seed) in its own process through these

@@ -14,11 +14,10 @@ import pyarrow as pa
 import torch
 
 from . import lmhead, sampler, tables
-from .config import slice_of
 from .prepare import prompt_ids
 from .rollout import tokenizer
-from .session import VERSIONS, Session, phase
-from .store import digest, write_json
+from .session import Session, phase
+from .store import write_json
 
 
 def greedy(sess: Session, model, engine, prompts: list[list[int]]) -> list[list[int]]:
@@ -42,11 +41,7 @@ def measure(sess: Session, student, prompts, responses) -> dict:
 
 def run(sess: Session) -> dict:
     cfg, K = sess.cfg, sess.cfg.train.updates
-    s = slice_of(cfg, "eval")
-    s["runtime"] = sess.runtime_slice()
-    dig = digest("evaluate", VERSIONS["evaluate"], s, {
-        "initial": sess.policy_digest(0), "final": sess.policy_digest(K), "prompts": sess.prepared["prompts"],
-        **sess.teacher_inputs(), "student": sess.prepared["student"]})
+    dig = sess.chain.evaluate()
 
     def produce(tmp: Path) -> None:
         tok = tokenizer(sess)

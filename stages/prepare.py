@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from . import models, prompts, tables
-from .config import ModelCfg, slice_of
+from . import identity, models, prompts, tables
+from .config import ModelCfg
 from .errors import UserError
-from .session import VERSIONS, Session, require_tokenizer_match
-from .store import digest, fault, file_hash, seed_of, write_json
+from .session import Session, require_tokenizer_match
+from .store import fault, file_hash, seed_of, write_json
 
 
 def tokenizer_dir(sess: Session) -> Path:
     """The embedded SmolLM2 tokenizer as plain files (for random-init models of its vocabulary)."""
-    dig = digest("tokenizer", VERSIONS["tokenizer"], {"source": "embedded"}, {"gguf": file_hash(models.gguf_path())})
+    dig = identity.tokenizer(file_hash(models.gguf_path()))
     d, _ = sess.store.ensure("tokenizer", dig, lambda tmp: models.embedded_tokenizer().save_pretrained(tmp))
     return d
 
@@ -33,7 +33,7 @@ def model_digest(sess: Session, mcfg: ModelCfg, role: str, deep: bool = False) -
     if mcfg.keep_layers and mcfg.name != "" and not mcfg.name.startswith("arch:"):
         parent_cfg = dataclasses.replace(mcfg, keep_layers=0, quant="none")
         parent = model_digest(sess, parent_cfg, role, deep)
-        dig = digest("model", VERSIONS["model"], {"keep_layers": mcfg.keep_layers}, {"parent": parent})
+        dig = identity.pruned_model(mcfg.keep_layers, parent)
         src = ModelCfg(name=str(sess.store.path("model", parent)), keep_layers=mcfg.keep_layers)
         def produce(tmp: Path) -> None:
             model_digest(sess, parent_cfg, role, deep=True)  # hash the parent's weights before deriving
@@ -42,7 +42,7 @@ def model_digest(sess: Session, mcfg: ModelCfg, role: str, deep: bool = False) -
         sess.store.ensure("model", dig, produce, deep=deep)
         return dig
     ident = models.identity(dataclasses.replace(mcfg, quant="none"), role)
-    dig = digest("model", VERSIONS["model"], ident, {})
+    dig = identity.model(ident)
     tok = None
     if mcfg.name.startswith("arch:"):
         tok = tokenizer_dir(sess) if mcfg.tokenizer == "embedded" else Path(mcfg.tokenizer)
@@ -131,8 +131,7 @@ def run(sess: Session) -> dict:
     files = {"rows": file_hash(cfg.data.path) if cfg.data.path else file_hash(prompts.SEEDS)}
     if cfg.data.eval_path:
         files["eval_rows"] = file_hash(cfg.data.eval_path)
-    rdig = digest("prepared", VERSIONS.get("prepared", 1), {**slice_of(cfg, "data", "env", "objective.topk"), **files},
-                  {"student": student, "teacher": teacher})
+    rdig = identity.prepared(cfg, files, student, teacher)
     d, _ = sess.store.ensure("prepared", rdig, lambda tmp: write_json(tmp / "prepared.json",
                                                                      _build(sess, student, teacher)))
     out = json.loads((d / "prepared.json").read_text())
@@ -165,10 +164,9 @@ def _build(sess: Session, student: str, teacher: str) -> dict:
         raise UserError(f"{src}: empty prompt set (no training rows)")
     check_prompts(train, cfg.data.prompt_key, tok, cfg.data.max_prompt_tokens, src, cfg.data.truncation)
     check_prompts(evals, cfg.data.prompt_key, tok, cfg.data.max_prompt_tokens, src, cfg.data.truncation)
-    ident = {"data": slice_of(cfg, "data")["data"], "tokenizer": fp_s,
-             "rows": file_hash(cfg.data.path) if cfg.data.path else file_hash(prompts.SEEDS),
+    files = {"rows": file_hash(cfg.data.path) if cfg.data.path else file_hash(prompts.SEEDS),
              **({"eval_rows": file_hash(cfg.data.eval_path)} if cfg.data.eval_path else {})}
-    pdig = digest("prompts", VERSIONS["prompts"], ident, {})
+    pdig = identity.prompts(cfg, fp_s, files)
 
     def produce(tmp: Path) -> None:
         meta = {"digest": pdig, "tokenizer": fp_s}

@@ -11,10 +11,9 @@ import json
 import numpy as np
 import torch
 
+from . import identity as stage_identity
 from .errors import UserError
-from .store import Store, digest, write_json
-
-VERSION = 1
+from .store import Store, write_json
 
 
 def identity(cfg, est: dict) -> dict:
@@ -31,7 +30,7 @@ def run(cfg, est: dict) -> dict:
     if not torch.cuda.is_available() or est["device"] != "cuda":
         raise UserError("--probe measures on CUDA and this run's device is not a CUDA device here; "
                         "the table above is the weight-free estimate")
-    dig = digest("probe", VERSION, identity(cfg, est), {})
+    dig = stage_identity.make("probe", identity(cfg, est), {})
     d, computed = Store(cfg.artifacts).ensure("probe", dig, lambda tmp: write_json(tmp / "probe.json",
                                                                                   measure(cfg, est)))
     out = json.loads((d / "probe.json").read_text())

@@ -1,10 +1,5 @@
-"""A resolved run: config, store, device, and the digest chain of its stages.
-
-policy(0) = init digest (or the SFT cold start's, sft.steps > 0); rollout(k) reads policy(k-1); score(k) reads rollout(k); update(k) reads
-policy(k-1), rollout(k), score(k) and *is* policy(k). Each digest covers only the config slice its
-stage reads, which is what makes cross-run reuse work (change the objective: rollout(1) is reused;
-4 -> 6 updates: updates 1-4 are reused).
-"""
+"""A resolved run: config, store, device, the resident models, and the digest chain of its stages
+(stages/identity.py computes it; docs/architecture.md describes it)."""
 from __future__ import annotations
 
 import json
@@ -14,16 +9,10 @@ from pathlib import Path
 
 import torch
 
-from . import memory, models, objectives
-from .config import Config, slice_of
+from . import identity, memory, models
+from .config import Config
 from .errors import UserError
-from .store import Store, digest, link, write_json
-
-# Stage code versions: bump when a stage's output for the same inputs would change.
-# rollout 2: `reward` column; score 2: position selection (`selected` column); update 2: reads both
-VERSIONS = {"tokenizer": 1, "model": 2, "prompts": 1, "init": 2, "rollout": 2, "score": 2, "update": 3,
-            "evaluate": 1}
-
+from .store import Store, link, write_json
 
 class Session:
     def __init__(self, cfg: Config):
@@ -37,7 +26,7 @@ class Session:
         if cfg.runtime.threads:
             torch.set_num_threads(cfg.runtime.threads)
         self._prepared: dict | None = None
-        self._digests: dict[tuple, str] = {}
+        self._chain: identity.Chain | None = None
         self._student = self._teacher = self._engine = None
         self._policy: str | None = None  # digest of the policy whose adapter the student holds
         self._placement: str | None = None  # memory.placement as the plan resolves it (stages/plan.py)
@@ -149,82 +138,33 @@ class Session:
             s["threads"] = torch.get_num_threads()
         return s
 
-    # ---- digest chain ----
+    # ---- digest chain (computed from the stages' declarations: stages/identity.py) ----
+    @property
+    def chain(self) -> identity.Chain:
+        if self._chain is None:
+            self._chain = identity.Chain(self.cfg, self.runtime_slice, self.prepared)
+        return self._chain
+
     def init_digest(self) -> str:
-        return digest("init", VERSIONS["init"], slice_of(self.cfg, "lora"),
-                      {"student": self.prepared["student"]})
+        return self.chain.init()
 
     def policy_digest(self, k: int) -> str:
-        if k == 0 and self.cfg.sft.steps:  # SFT cold start: policy 0 is the trained adapter
-            from . import sft
-
-            return sft.cold_start_digest(self)
-        return self.init_digest() if k == 0 else self.update_digest(k)
+        return self.chain.policy(k)
 
     def policy_dir(self, k: int) -> Path:
-        stage = "update" if k else "sft" if self.cfg.sft.steps else "init"
-        return self.store.path(stage, self.policy_digest(k))
+        return self.store.path(self.chain.policy_stage(k), self.policy_digest(k))
 
     def rollout_digest(self, k: int) -> str:
-        key = ("rollout", k)
-        if key not in self._digests:
-            s = slice_of(self.cfg, "rollout", "data.max_prompt_tokens", "data.truncation")
-            s["rollout"].pop("cuda_graphs")  # graphs replay the same kernels: not part of identity
-            s.update(step=k, runtime=self.runtime_slice())
-            s.update(self.quant_slice("student"))
-            inputs = {"policy": self.policy_digest(k - 1), "prompts": self.prepared["prompts"],
-                      "student": self.prepared["student"]}
-            if self.cfg.env.name:  # multi-turn episodes: keys added only here, single-turn digests unchanged
-                from . import tooluse
-
-                extra_s, extra_in = tooluse.rollout_digest_parts(self)
-                s.update(extra_s)
-                inputs.update(extra_in)
-            self._digests[key] = digest("rollout", VERSIONS["rollout"], s, inputs)
-        return self._digests[key]
+        return self.chain.rollout(k)
 
     def score_digest(self, k: int) -> str:
-        key = ("score", k)
-        if key not in self._digests:
-            ob = self.cfg.objective
-            s = {"needs": sorted(objectives.needs(ob)), "topk": ob.topk, "chunk": self.cfg.train.chunk,
-                 "selection": slice_of(self.cfg, "selection")["selection"],
-                 "temperature": self.cfg.rollout.temperature, "runtime": self.runtime_slice()}
-            if self.cfg.teacher_mode != "raw":  # keys added only then: raw-teacher digests unchanged
-                s["teacher_mode"] = self.cfg.teacher_mode
-            s.update(self.quant_slice("teacher"))
-            self._digests[key] = digest("score", VERSIONS["score"], s, {
-                "rollout": self.rollout_digest(k), **self.teacher_inputs()})
-        return self._digests[key]
-
-    def quant_slice(self, role: str) -> dict:
-        """A bitsandbytes role computes different numbers: its quant joins the digests of the stages it
-        runs (rollout/update: student; score: teacher). Added only then: unquantized digests unchanged."""
-        m = getattr(self.cfg, role)
-        if m.quant == "none":
-            return {}
-        return {f"{role}_quant": m.quant + ("+double_quant" if m.double_quant else "")}
-
-    def teacher_inputs(self) -> dict:
-        """What the teacher is, for digests: the base model, plus the SFT adapter under protocol_sft."""
-        out = {"teacher": self.prepared["teacher"]}
-        if self.cfg.teacher_mode == "protocol_sft":
-            from . import sft
-
-            out["teacher_adapter"] = sft.teacher_digest(self)
-        return out
+        return self.chain.score(k)
 
     def update_digest(self, k: int) -> str:
-        key = ("update", k)
-        if key not in self._digests:
-            s = slice_of(self.cfg, "objective", "optim", "lora", "train.chunk", "rollout.temperature",
-                         "train.activation_checkpointing")
-            s.update(step=k, runtime=self.runtime_slice())
-            s.update(self.quant_slice("student"))
-            self._digests[key] = digest("update", VERSIONS["update"], s, {
-                "policy": self.policy_digest(k - 1), "rollout": self.rollout_digest(k),
-                "score": self.score_digest(k), "student": self.prepared["student"]})
-        return self._digests[key]
+        return self.chain.update(k)
+
+    def teacher_inputs(self) -> dict:
+        return self.chain.teacher_inputs()
 
     # ---- run view ----
     def step_dir(self, k: int) -> Path:

@@ -22,14 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from . import envs, lmhead, models, objectives, tooluse, update
-from .config import slice_of
 from .envs import protocol
 from .errors import UserError
 from .session import Session, phase
-from .store import digest, seed_of, write_json
-
-VERSION = 1
-
+from .store import seed_of, write_json
 
 # ---- traces ----
 
@@ -108,30 +104,18 @@ def pack(sess: Session, batch) -> lmhead.Packed:
     return lmhead.pack([b[0] for b in batch], [b[1] for b in batch], [b[2] for b in batch], pad=0, device=sess.device)
 
 
-# ---- digests ----
-
-def sft_digest(sess: Session, role: str, parent: str | None, start: int, steps: int) -> str:
-    c = sess.cfg
-    optim = slice_of(c, "optim")["optim"]
-    for key in ("lr", "warmup_updates"):  # SFT has its own lr and no warmup
-        optim.pop(key)
-    s = {"role": role, "start": start, "steps": steps, "batch_size": c.sft.batch_size, "lr": c.sft.lr,
-         "seed": c.sft.seed if role == "student" else c.sft.teacher_seed, "optim": optim,
-         "lora": slice_of(c, "lora")["lora"], "chunk": c.train.chunk, "runtime": sess.runtime_slice()}
-    return digest("sft", VERSION, s, {"parent": parent, "model": sess.prepared[role],
-                                      "tasks": sess.prepared["tasks_train"]})
-
+# ---- digests (stages/identity.py) ----
 
 def cold_start_digest(sess: Session) -> str:
-    return sft_digest(sess, "student", sess.init_digest(), 0, sess.cfg.sft.steps)
+    return sess.chain.cold_start()
 
 
 def continued_digest(sess: Session, steps: int) -> str:
-    return sft_digest(sess, "student", sess.policy_digest(0), sess.cfg.sft.steps, steps)
+    return sess.chain.continued(steps)
 
 
 def teacher_digest(sess: Session) -> str:
-    return sft_digest(sess, "teacher", None, 0, sess.cfg.sft.teacher_steps)
+    return sess.chain.teacher_adapter()
 
 
 # ---- the stage ----

@@ -25,17 +25,9 @@ import pyarrow as pa
 from . import envs, tables, tooluse
 from .envs import protocol
 from .session import Session, phase
-from .store import digest, write_json
+from .store import write_json
 
-VERSION = 1
 _NUM = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
-
-
-def eval_digest(sess: Session, stage: str, policy: str) -> str:
-    e = sess.cfg.env
-    s = {"max_turns": e.max_turns, "max_tokens_per_turn": e.max_tokens_per_turn, "runtime": sess.runtime_slice()}
-    return digest("tooleval", VERSION, s, {"policy": policy, "policy_stage": stage,
-                                           "tasks": sess.prepared["tasks_test"], "student": sess.prepared["student"]})
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -60,7 +52,7 @@ def run(sess: Session, stage: str, policy: str) -> Path:
     """Evaluate the student adapter published by (stage, policy) on the held-out tasks."""
     from .rollout import tokenizer
 
-    dig = eval_digest(sess, stage, policy)
+    dig = sess.chain.tooleval(stage, policy)
 
     def produce(tmp: Path) -> None:
         cfg, tok = sess.cfg, tokenizer(sess)

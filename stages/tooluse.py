@@ -21,15 +21,13 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from . import envs, tables
-from .config import slice_of
+from . import envs, identity, tables
 from .envs import protocol
 from .envs.task import Task
 from .errors import UserError
 from .session import Session, phase
-from .store import digest, seed_of, write_json
+from .store import seed_of, write_json
 
-TASKS_VERSION = 1
 # The block a privileged_context teacher reads in its system message; the student never sees it.
 ORACLE_BLOCK = "\n\nPrivileged solution notes (for you only; the user does not see them):\n{hint}"
 
@@ -44,8 +42,7 @@ def prepare_tasks(sess: Session, tokenizer_fp: str) -> dict:
     env = envs.get(e.name)
     out = {}
     for part, n in (("train", e.num_train), ("test", e.num_test)):
-        ident = {"env": e.name, "split": e.split, "n": n, "seed": e.seed, "part": part, "tokenizer": tokenizer_fp}
-        dig = digest("tasks", TASKS_VERSION, ident, {})
+        dig = identity.tasks(sess.cfg, part, tokenizer_fp)
 
         def produce(tmp: Path, part=part, n=n, dig=dig) -> None:
             rows = envs.to_verl_rows(e.name, env.generate(e.split, n, e.seed, part), part)
@@ -222,14 +219,6 @@ def task_columns(t: Traj) -> dict:
             "success_lenient": ep.success_lenient, "turns": ep.turns, "tool_calls": ep.tool_calls,
             "attempted_calls": t.attempted_calls, "invalid_calls": ep.invalid_calls,
             "parse_errors": ep.parse_errors, "reward": float(ep.success)}
-
-
-def rollout_digest_parts(sess: Session) -> tuple[dict, dict]:
-    """(extra config slice, extra inputs) of a tool-use rollout's digest (Session.rollout_digest)."""
-    e = slice_of(sess.cfg, "env")["env"]
-    e.pop("num_test")  # held-out tasks only
-    return {"env": e, "train.seed": sess.cfg.train.seed, "multi_turn": TASKS_VERSION}, \
-        {"tasks": sess.prepared["tasks_train"]}
 
 
 # ---- the rollout stage for env.name != null ----

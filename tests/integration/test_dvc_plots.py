@@ -1,21 +1,14 @@
 """DVC-native metrics and plots, for real: a temporary git repo holding a copy of the project,
-`dvc repro` on tiny models, then `dvc plots show` (JSON and HTML), `dvc exp show` and
+`dvc repro` on tiny models (the `repo` fixture, tests/integration/conftest.py), then `dvc plots show` (JSON and HTML), `dvc exp show` and
 `dvc plots diff` across an experiment run with `dvc exp run -S`."""
 from __future__ import annotations
 
 import csv
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
+from dvcrepo import dvc
+from support import TINY, opd
 
-from support import ROOT, TINY, opd
-
-BIN = Path(sys.executable).parent
 # what the issue asks history.csv to carry, one row per update
 HISTORY_COLUMNS = ["step", "kl", "loss", "grad_norm", "rollout_tokens_per_s", "score_tokens_per_s",
                    "update_tokens_per_s", "peak_memory_gib", "teacher_topk_mass", "topk_overlap"]
@@ -24,49 +17,6 @@ PLOTS = {"KL and loss per update": {"loss", "kl"},
          "Peak memory (GiB)": {"peak_memory_gib"},
          "Gradient norm per update": {"grad_norm"},
          "Teacher top-k mass and student overlap": {"teacher_topk_mass", "student_topk_mass", "topk_overlap"}}
-ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "DVC_NO_ANALYTICS": "1",
-       "TOKENIZERS_PARALLELISM": "false", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
-       "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid"}
-
-
-def sh(*cmd: str, cwd: Path, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
-    r = subprocess.run(list(cmd), cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
-    if check and r.returncode:
-        raise AssertionError(f"{' '.join(cmd)} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r
-
-
-def dvc(*args: str, cwd: Path, **kw) -> subprocess.CompletedProcess:
-    return sh(str(BIN / "dvc"), *args, cwd=cwd, **kw)
-
-
-def copy_project(dst: Path) -> None:
-    """What `dvc repro` needs of the project: the pipeline, its config tree, data and code."""
-    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for d in ("conf", "data", "stages"):
-        shutil.copytree(ROOT / d, dst / d, ignore=skip)
-    for f in ("dvc.yaml", ".dvcignore", ".gitignore", ".dvc/config"):
-        (dst / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / f, dst / f)
-
-
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory, seeded_store) -> Path:
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed")
-    d = tmp_path_factory.mktemp("dvcrepo")
-    copy_project(d)
-    for part in ("tokenizer", "model"):  # the tiny models, already built once per session
-        shutil.copytree(seeded_store / part, d / "artifacts" / "store" / part)
-    sh("git", "init", "-q", cwd=d)
-    opd("params", *TINY, cwd=d)
-    sh("git", "add", "-A", cwd=d)
-    sh("git", "commit", "-qm", "tiny pipeline", cwd=d)
-    r = dvc("repro", cwd=d)
-    assert "Running stage 'report'" in r.stdout
-    sh("git", "add", "-A", cwd=d)
-    sh("git", "commit", "-qm", "dvc repro", cwd=d)
-    return d
 
 
 def test_history_has_the_columns_the_issue_asks(repo):

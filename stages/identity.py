@@ -1,0 +1,280 @@
+"""Stage identity, declared once: every store stage's name, code version, the config keys it reads
+and the inputs its digest names; the digests are computed here from that declaration.
+
+A stage's digest is `store.digest(name, version, config slice, inputs)` (docs/architecture.md, "the
+digest rule"). The slice is built through `Reads`, which lets a stage see only the keys it declares:
+reading an undeclared key is an error, so the declaration cannot fall behind the code. `dvc.yaml`'s
+params and deps are generated from the same declaration (`opd dvc-yaml`, stages/dvcyaml.py).
+
+Nothing here loads a model or needs a Session: `Chain` turns (config, runtime slice, prepare's
+record) into every digest of a run. Bump a stage's version when its output for the same inputs
+would change; its digest (and every digest downstream) changes with it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from . import objectives
+from .config import Config, slice_of
+from .store import digest
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str  # its directory in the store: artifacts/store/<name>/<digest>
+    version: int  # code version: bump when the same inputs would give other bytes
+    reads: tuple[str, ...]  # config keys (dotted; a group name covers the group) its identity reads
+    inputs: tuple[str, ...]  # what its digest names besides config: upstream digests, content hashes
+    dvc: str | None  # the DVC stage that runs it (None: a tool's cache, not a pipeline stage)
+
+
+MODEL_KEYS = ("name", "revision", "init", "keep_layers", "trust_remote_code", "tokenizer")
+RUNTIME = ("runtime",)  # device, dtype and (CPU) the thread count: Session.runtime_slice
+
+STAGES: dict[str, Stage] = {s.name: s for s in (
+    Stage("tokenizer", 1, (), ("gguf",), "prepare"),
+    Stage("model", 2, tuple(f"{r}.{k}" for r in ("student", "teacher") for k in MODEL_KEYS), ("parent", "files"),
+          "prepare"),
+    Stage("prepared", 1, ("data", "env", "objective.topk"), ("student", "teacher", "rows", "eval_rows"), "prepare"),
+    Stage("prompts", 1, ("data",), ("tokenizer", "rows", "eval_rows"), "prepare"),
+    Stage("tasks", 1, ("env.name", "env.split", "env.num_train", "env.num_test", "env.seed"), ("tokenizer",),
+          "prepare"),
+    Stage("init", 2, ("lora",), ("student",), "train"),
+    Stage("sft", 1, ("sft", "optim", "lora", "train.chunk") + RUNTIME, ("parent", "model", "tasks"), "train"),
+    # rollout 2: `reward` column
+    Stage("rollout", 2, ("rollout", "data.max_prompt_tokens", "data.truncation", "student.quant",
+                         "student.double_quant", "env", "train.seed") + RUNTIME,
+          ("policy", "prompts", "student", "tasks"), "train"),
+    # score 2: position selection (`selected` column)
+    Stage("score", 2, ("objective", "train.chunk", "selection", "rollout.temperature", "teacher_mode",
+                       "teacher.quant", "teacher.double_quant") + RUNTIME,
+          ("rollout", "teacher", "teacher_adapter"), "train"),
+    # update 3: reads both (`reward`, `selected`)
+    Stage("update", 3, ("objective", "optim", "lora", "train.chunk", "rollout.temperature",
+                        "train.activation_checkpointing", "student.quant", "student.double_quant") + RUNTIME,
+          ("policy", "rollout", "score", "student"), "train"),
+    Stage("evaluate", 1, ("eval", "train.updates") + RUNTIME,
+          ("initial", "final", "prompts", "teacher", "teacher_adapter", "student"), "evaluate"),
+    Stage("tooleval", 1, ("env.max_turns", "env.max_tokens_per_turn") + RUNTIME,
+          ("policy", "policy_stage", "tasks", "student"), None),
+    Stage("probe", 1, ("lora.r", "lora.target_modules", "objective", "memory.vram_gib"), (), None),
+)}
+# the training loop itself (stages/train.py) reads how many updates to run
+DRIVER_READS = {"train": ("train.updates",)}
+
+
+class Reads:
+    """The config as a stage may see it: declared keys (and everything under them) read through;
+    any other key is an error naming the stage, so a new read must be declared (and reach dvc.yaml)."""
+
+    def __init__(self, cfg: Any, stage: str, keys: tuple[str, ...], prefix: str = ""):
+        self._cfg, self._stage, self._keys, self._prefix = cfg, stage, keys, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        key = self._prefix + name
+        if any(key == k or key.startswith(k + ".") for k in self._keys):
+            return getattr(self._cfg, name)
+        if any(k.startswith(key + ".") for k in self._keys):
+            return Reads(getattr(self._cfg, name), self._stage, self._keys, key + ".")
+        raise KeyError(f"stage '{self._stage}' reads config key '{key}' without declaring it (stages/identity.py)")
+
+
+def reads(cfg: Config, stage: str) -> Any:
+    return Reads(cfg, stage, STAGES[stage].reads)
+
+
+def make(stage: str, cfg_slice: dict, inputs: dict[str, Any]) -> str:
+    """The digest of `stage` from its config slice and inputs (only declared inputs are accepted)."""
+    s = STAGES[stage]
+    extra = set(inputs) - set(s.inputs)
+    if extra:
+        raise KeyError(f"stage '{stage}': undeclared inputs {sorted(extra)} (stages/identity.py)")
+    return digest(stage, s.version, cfg_slice, inputs)
+
+
+# ---- the stages prepare publishes ----
+
+def tokenizer(gguf_hash: str) -> str:
+    return make("tokenizer", {"source": "embedded"}, {"gguf": gguf_hash})
+
+
+def model(ident: dict) -> str:
+    """A model materialised from its source; `ident` is models.identity (settings + file hashes)."""
+    return digest("model", STAGES["model"].version, ident, {})
+
+
+def pruned_model(keep_layers: int, parent: str) -> str:
+    """A student pruned to `keep_layers` from its materialised parent."""
+    return make("model", {"keep_layers": keep_layers}, {"parent": parent})
+
+
+def prepared(cfg: Config, files: dict[str, str], student: str, teacher: str) -> str:
+    """The checks and records of prepare; `files`: content hashes of the prompt rows (rows, eval_rows)."""
+    c = reads(cfg, "prepared")
+    _declared("prepared", files)
+    return make("prepared", {**slice_of(c, "data", "env", "objective.topk"), **files},
+                {"student": student, "teacher": teacher})
+
+
+def prompts(cfg: Config, tokenizer_fp: str, files: dict[str, str]) -> str:
+    c = reads(cfg, "prompts")
+    _declared("prompts", files)
+    return make("prompts", {"data": slice_of(c, "data")["data"], "tokenizer": tokenizer_fp, **files}, {})
+
+
+def tasks(cfg: Config, part: str, tokenizer_fp: str) -> str:
+    e = reads(cfg, "tasks").env
+    n = e.num_train if part == "train" else e.num_test
+    return make("tasks", {"env": e.name, "split": e.split, "n": n, "seed": e.seed, "part": part,
+                          "tokenizer": tokenizer_fp}, {})
+
+
+def _declared(stage: str, names) -> None:
+    extra = set(names) - set(STAGES[stage].inputs)
+    if extra:
+        raise KeyError(f"stage '{stage}': undeclared inputs {sorted(extra)} (stages/identity.py)")
+
+
+def quant(c: Any, role: str) -> dict:
+    """A bitsandbytes role computes different numbers: its quant joins the digests of the stages it
+    runs (rollout/update: student; score: teacher). Added only then: unquantized digests unchanged."""
+    m = getattr(c, role)
+    if m.quant == "none":
+        return {}
+    return {f"{role}_quant": m.quant + ("+double_quant" if m.double_quant else "")}
+
+
+class Chain:
+    """Every digest of one run, from the config, the runtime slice and prepare's record.
+
+    policy(0) = init (or the SFT cold start, sft.steps > 0); rollout(k) reads policy(k-1); score(k)
+    reads rollout(k); update(k) reads policy(k-1), rollout(k), score(k) and *is* policy(k). Each
+    digest covers only the config its stage reads, which is what makes cross-run reuse work (change
+    the objective: rollout(1) is reused; 4 -> 6 updates: updates 1-4 are reused)."""
+
+    def __init__(self, cfg: Config, runtime: Callable[[], dict], prepared: dict):
+        self.cfg, self.runtime, self.prepared = cfg, runtime, prepared
+        self._memo: dict[tuple, str] = {}
+
+    def init(self) -> str:
+        return make("init", slice_of(reads(self.cfg, "init"), "lora"), {"student": self.prepared["student"]})
+
+    def sft(self, role: str, parent: str | None, start: int, steps: int) -> str:
+        c = reads(self.cfg, "sft")
+        optim = slice_of(c, "optim")["optim"]
+        for key in ("lr", "warmup_updates"):  # SFT has its own lr and no warmup
+            optim.pop(key)
+        s = {"role": role, "start": start, "steps": steps, "batch_size": c.sft.batch_size, "lr": c.sft.lr,
+             "seed": c.sft.seed if role == "student" else c.sft.teacher_seed, "optim": optim,
+             "lora": slice_of(c, "lora")["lora"], "chunk": c.train.chunk, "runtime": self.runtime()}
+        return make("sft", s, {"parent": parent, "model": self.prepared[role], "tasks": self.prepared["tasks_train"]})
+
+    def cold_start(self) -> str:
+        """Policy 0 when sft.steps > 0: the fresh LoRA trained on verified traces."""
+        return self.sft("student", self.init(), 0, reads(self.cfg, "sft").sft.steps)
+
+    def continued(self, steps: int) -> str:
+        """`steps` more SFT steps from policy 0 (the benchmark's sft-continued arm)."""
+        return self.sft("student", self.policy(0), reads(self.cfg, "sft").sft.steps, steps)
+
+    def teacher_adapter(self) -> str:
+        """The teacher's SFT adapter that teacher_mode=protocol_sft reads."""
+        return self.sft("teacher", None, 0, reads(self.cfg, "sft").sft.teacher_steps)
+
+    def policy(self, k: int) -> str:
+        if k == 0 and reads(self.cfg, "sft").sft.steps:
+            return self.cold_start()
+        return self.init() if k == 0 else self.update(k)
+
+    def policy_stage(self, k: int) -> str:
+        """The store stage that publishes policy k: update, or (k = 0) sft or init."""
+        return "update" if k else "sft" if reads(self.cfg, "sft").sft.steps else "init"
+
+    def teacher_inputs(self) -> dict:
+        """What the teacher is, for digests: the base model, plus the SFT adapter under protocol_sft."""
+        out = {"teacher": self.prepared["teacher"]}
+        if reads(self.cfg, "score").teacher_mode == "protocol_sft":
+            out["teacher_adapter"] = self.teacher_adapter()
+        return out
+
+    def rollout(self, k: int) -> str:
+        key = ("rollout", k)
+        if key not in self._memo:
+            c = reads(self.cfg, "rollout")
+            s = slice_of(c, "rollout", "data.max_prompt_tokens", "data.truncation")
+            s["rollout"].pop("cuda_graphs")  # graphs replay the same kernels: not part of identity
+            s.update(step=k, runtime=self.runtime())
+            s.update(quant(c, "student"))
+            inputs = {"policy": self.policy(k - 1), "prompts": self.prepared["prompts"],
+                      "student": self.prepared["student"]}
+            if c.env.name:  # multi-turn episodes: keys added only here, single-turn digests unchanged
+                e = slice_of(c, "env")["env"]
+                e.pop("num_test")  # held-out tasks only
+                s.update({"env": e, "train.seed": c.train.seed, "multi_turn": STAGES["tasks"].version})
+                inputs["tasks"] = self.prepared["tasks_train"]
+            self._memo[key] = make("rollout", s, inputs)
+        return self._memo[key]
+
+    def score(self, k: int) -> str:
+        key = ("score", k)
+        if key not in self._memo:
+            c = reads(self.cfg, "score")
+            ob = c.objective
+            s = {"needs": sorted(objectives.needs(ob)), "topk": ob.topk, "chunk": c.train.chunk,
+                 "selection": slice_of(c, "selection")["selection"], "temperature": c.rollout.temperature,
+                 "runtime": self.runtime()}
+            if c.teacher_mode != "raw":  # keys added only then: raw-teacher digests unchanged
+                s["teacher_mode"] = c.teacher_mode
+            s.update(quant(c, "teacher"))
+            self._memo[key] = make("score", s, {"rollout": self.rollout(k), **self.teacher_inputs()})
+        return self._memo[key]
+
+    def update(self, k: int) -> str:
+        key = ("update", k)
+        if key not in self._memo:
+            c = reads(self.cfg, "update")
+            s = slice_of(c, "objective", "optim", "lora", "train.chunk", "rollout.temperature",
+                         "train.activation_checkpointing")
+            s.update(step=k, runtime=self.runtime())
+            s.update(quant(c, "student"))
+            self._memo[key] = make("update", s, {
+                "policy": self.policy(k - 1), "rollout": self.rollout(k), "score": self.score(k),
+                "student": self.prepared["student"]})
+        return self._memo[key]
+
+    def evaluate(self) -> str:
+        c = reads(self.cfg, "evaluate")
+        s = slice_of(c, "eval")
+        s["runtime"] = self.runtime()
+        K = c.train.updates
+        return make("evaluate", s, {"initial": self.policy(0), "final": self.policy(K),
+                                    "prompts": self.prepared["prompts"], **self.teacher_inputs(),
+                                    "student": self.prepared["student"]})
+
+    def tooleval(self, stage: str, policy: str) -> str:
+        """Greedy held-out episodes of the student adapter published by (stage, policy)."""
+        e = reads(self.cfg, "tooleval").env
+        s = {"max_turns": e.max_turns, "max_tokens_per_turn": e.max_tokens_per_turn, "runtime": self.runtime()}
+        return make("tooleval", s, {"policy": policy, "policy_stage": stage, "tasks": self.prepared["tasks_test"],
+                                    "student": self.prepared["student"]})
+
+
+def dvc_params(dvc_stage: str) -> list[str]:
+    """The config keys a DVC stage's store stages read (a group listed whole when every key is)."""
+    keys = {k for s in STAGES.values() if s.dvc == dvc_stage for k in s.reads}
+    keys |= set(DRIVER_READS.get(dvc_stage, ()))
+    return sorted(_collapse(keys))
+
+
+def _collapse(keys: set[str]) -> set[str]:
+    """Drop keys covered by a listed group; list a group whole when all of its keys are listed."""
+    keys = {k for k in keys if not any(k.startswith(g + ".") for g in keys)}
+    for f in dataclasses.fields(Config):
+        default = getattr(Config(), f.name)
+        if dataclasses.is_dataclass(default):
+            sub = {f"{f.name}.{g.name}" for g in dataclasses.fields(default)}
+            if sub <= keys:
+                keys = (keys - sub) | {f.name}
+    return keys

@@ -109,7 +109,7 @@ def cmd_stage(args) -> None:
         if getattr(args, "verl", None) is not None:
             from .verl import bundle
 
-            bundle.main(sess, args.verl)
+            bundle.main(sess, args.verl, args)
         else:
             export.main(sess, args.out)
 
@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int)
     p.add_argument("--out", type=Path, help="export: output dir")
     p.add_argument("--verl", type=Path, metavar="OUT", help="export: write a verl 0.8 bundle to OUT instead")
+    from .verl.cli import bundle_arguments  # export --verl: the cluster it is sized for (--gpus ...)
+
+    bundle_arguments(p)
     p.set_defaults(fn=cmd_stage)
     p = sub.add_parser("inspect", help="print trajectories of a rollout/scores Parquet or a run step")
     p.add_argument("path", help="rollout.parquet, scores.parquet, a step dir or a run dir")

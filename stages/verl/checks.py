@@ -24,9 +24,9 @@ def _fail(detail: str) -> dict:
     return {"ok": False, "detail": detail}
 
 
-def run_all(tmp: Path, out: Path, overrides: list[str], cfg, prepared: dict) -> dict:
-    local = [o.replace(str(out), str(tmp)) for o in overrides]  # files are still in the temp dir
-    return {"verl_config": verl_config(local), "forward": forward(tmp, cfg),
+def run_all(tmp: Path, overrides: list[str], cfg, prepared: dict) -> dict:
+    """`overrides` with paths absolute under `tmp` (the bundle before its rename)."""
+    return {"verl_config": verl_config(overrides), "forward": forward(tmp, cfg),
             "tokenizer": tokenizer(tmp, prepared), "parquet": parquet(tmp, cfg)}
 
 

@@ -5,7 +5,8 @@
     opd run --plan plan.json [--dry-run]            (the run subcommand's options; see plan_session)
     opd profiles list | show NAME
     opd compat explain FIELD | table [--out docs/compat.md]
-    opd export [--verl OUT] [--out DIR] [overrides]
+    opd export [--verl OUT [--gpus N --nodes M --teacher-gpus T --teacher-tp K --gpu-gib G]] [--out DIR]
+               [overrides]
     opd data sample --format verl-parquet --out FILE [--rows N] [overrides]
 
 `opd plan` without --profile is the weight-free memory plan of issue 5 (stages/plan.py); with
@@ -129,7 +130,7 @@ def cmd_export(args) -> None:
     if args.verl is not None:
         from . import bundle
 
-        bundle.main(sess, args.verl)
+        bundle.main(sess, args.verl, args)
     else:
         export.main(sess, args.out)
 
@@ -142,6 +143,18 @@ def cmd_data(args) -> None:
         raise UserError(f"--format {args.format!r}: expected verl-parquet")
     out = data.sample(_config(args), args.rows, Path(args.out))
     print(f"wrote {out} ({args.rows} rows, verl schema)")
+
+
+def bundle_arguments(p) -> None:
+    """The cluster a verl bundle is sized for (stages/verl/sizing.py); `opd export` and `opd stage export`."""
+    g = p.add_argument_group("verl bundle sizing (with --verl)")
+    g.add_argument("--gpus", type=int, metavar="N", help="GPUs per node (default 2)")
+    g.add_argument("--nodes", type=int, metavar="M", help="nodes (default 1)")
+    g.add_argument("--teacher-gpus", type=int, metavar="T", help="of the N x M GPUs, how many serve the teacher "
+                   "(default 1; the rest train and sample the student)")
+    g.add_argument("--teacher-tp", type=int, metavar="K", help="GPUs per teacher replica (default: the fewest "
+                   "that hold it)")
+    g.add_argument("--gpu-gib", type=float, metavar="G", help="memory per GPU the plan sizes for (default 80)")
 
 
 def _plan_arguments(p) -> None:
@@ -185,6 +198,7 @@ def add_commands(sub, with_cfg) -> None:
         p.add_argument("--verl", type=Path, metavar="OUT", help="write a verl 0.8 bundle to OUT instead")
         p.add_argument("--out", type=Path, help="PEFT export dir (default artifacts/export/RUN)")
         p.add_argument("--plan", type=Path, help="use the config of a plan.json (as `opd run --plan`)")
+        bundle_arguments(p)
         p.set_defaults(fn=cmd_export)
     p = sub.add_parser("data", help="data utilities")
     dsub = p.add_subparsers(dest="data_action", required=True)

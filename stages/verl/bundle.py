@@ -129,6 +129,8 @@ def export(sess, out: Path, cluster: sizing.Cluster) -> Path:
                         f"{max(2 * cfg.train.updates, 1)})")
     cont, dev_cont = continuation(cfg, done)
     deviations = keys.deviations(cfg) + dev_cont
+    for role, label in (("student", "base"), ("teacher", "teacher")):  # before any training or copying
+        modeldir.check(sess.store.path("model", sess.prepared[role]), label)
     train.ensure_policy(sess, done)  # policy 0 (init, or the SFT cold start) may not exist yet
     pol = sess.policy_dir(done)
     out = Path(out).resolve()

@@ -9,7 +9,7 @@
                [overrides]
     opd data sample --format verl-parquet --out FILE [--rows N] [overrides]
 
-`opd plan` without --profile is the weight-free memory plan of issue 5 (stages/plan.py); with
+`opd plan` without --profile is the weight-free memory plan (stages/plan.py); with
 --profile it maps the verl config first, then plans memory when that planner exists.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ def cmd_plan(args) -> None:
 
 
 def memory_plan_cli(args) -> None:
-    """HOOK for issue 5: `opd plan [overrides] [--out plan.json]` is the memory planner's command."""
+    """`opd plan [overrides] [--out plan.json]` is the memory planner's command."""
     try:
         from .. import plan as memory_planner
     except ImportError:

@@ -2,7 +2,7 @@
 
 The plan records what was asked (profile, config, --set, --accept, our overrides), what it maps to
 (our Hydra overrides and the resolved config) and, when the weight-free memory planner exists
-(stages/plan.py, issue 5), its estimate; an infeasible estimate is written, then refused. `digest`
+(stages/plan.py), its estimate; an infeasible estimate is written, then refused. `digest`
 is the sha256 of the canonical JSON of everything else, so `opd run --plan` refuses a plan edited
 after planning; it also recomposes the config from the recorded overrides and refuses to run if
 conf/ has changed since (the plan would be stale).
@@ -32,7 +32,7 @@ def content_digest(plan: dict) -> str:
 
 
 def memory_plan(cfg) -> Optional[dict]:
-    """The weight-free memory plan of `cfg` (issue 5: `stages.plan.estimate(cfg) -> dict`), or None
+    """The weight-free memory plan of `cfg` (`stages.plan.estimate(cfg) -> dict`), or None
     while that planner is not part of the build."""
     try:
         from .. import plan as memory_planner  # another module's; may be absent in a partial build

@@ -61,3 +61,15 @@ def test_every_path_key_is_made_absolute(launched):
         for part in key.split("."):
             node = node[part]
         assert node.startswith(str(moved) + "/"), (key, node)
+
+
+def test_side_pins_are_the_ones_install_sh_names():
+    from side import SIDE
+
+    from support import ROOT
+
+    install = (ROOT / "install.sh").read_text()
+    for pins in SIDE.values():
+        for pin in pins:
+            assert f" {pin}" in install, f"install.sh's verl block does not name {pin}"
+    assert "python tests/verl/side.py" in install

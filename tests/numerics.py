@@ -146,7 +146,8 @@ _EXACT = {A.detach.default, A.alias.default, A.view.default, A._unsafe_view.defa
           A.full.default, A.full_like.default, A.flatten.using_ints}
 _ONE_ROUNDING = {A.add.Tensor, A.sub.Tensor, A.mul.Tensor, A.div.Tensor, A.rsub.Scalar, A.rsub.Tensor,
                  A.add.Scalar, A.sub.Scalar, A.mul.Scalar, A.div.Scalar, A.reciprocal.default,
-                 A.sqrt.default, A.scatter_add.default, A.index_add.default, A.square.default}
+                 A.sqrt.default, A.scatter_add.default, A.index_add.default, A.square.default,
+                 A.index_put.default}  # scatter_add/index_add/index_put: exact unless indices repeat; one u if they do
 _TRANSC = {A.exp.default, A.log.default, A.expm1.default, A.log1p.default}
 _INPLACE = {A.logical_and_.default: A.logical_and.default, A.masked_fill_.Scalar: A.masked_fill.Scalar,
             A.add_.Tensor: A.add.Tensor, A.mul_.Tensor: A.mul.Tensor}
@@ -222,7 +223,7 @@ def _rule(node, out, args):
     raise NotImplementedError(f"no rounding rule for {op} (add one to tests/numerics.py)")
 
 
-def fp32_bound(fn, *inputs, rows: int | None = None, batch: int = 64):
+def fp32_bound(fn, *inputs, rows: int | None = None, batch: int = 64, rounded_inputs=False):
     """Trace fn(*inputs) (fp32 tensors in, a tuple of fp32 tensors out; it may use
     torch.func.grad_and_value) and return (reference, bound): for each output, the float64
     re-evaluation of the same ATen graph and the first-order bound on |fp32 result - exact| from the
@@ -231,13 +232,20 @@ def fp32_bound(fn, *inputs, rows: int | None = None, batch: int = 64):
     rows=n: the computation is independent per row of its leading dimension n (one row per token
     position: no op mixes positions), so one backward with a cotangent of ones over the rows serves
     all n rows at once and each row's share is read off the intermediates' own leading dimension.
-    Every op that rounds must then have that leading dimension (checked)."""
+    Every op that rounds must then have that leading dimension (checked).
+
+    rounded_inputs: True when the floating inputs are fp32 roundings of intended reals (math.log(3),
+    0.1, ...), each off by <= u|x|; or one multiple of u per input (an input computed in fp32 with
+    c roundings: c); by default the inputs are the exact data.
+
+    The results come in fn's output structure (tuples, dicts)."""
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.func import functionalize
 
     gm = make_fx(functionalize(fn))(*inputs)
     env, tracked = {}, []  # (node, float64 result, float64 args, rounding bound) of every floating op
     feed = iter(inputs)
+    ulps = iter(rounded_inputs if isinstance(rounded_inputs, (list, tuple)) else [float(rounded_inputs)] * len(inputs))
 
     def up(x):  # fp32 value -> the same number in float64, a leaf the adjoints reach
         if isinstance(x, torch.Tensor) and x.is_floating_point():
@@ -249,12 +257,16 @@ def fp32_bound(fn, *inputs, rows: int | None = None, batch: int = 64):
             return env[a]
         if isinstance(a, (list, tuple)):
             return type(a)(arg(x) for x in a)
+        if isinstance(a, dict):
+            return {k: arg(v) for k, v in a.items()}
         return torch.float64 if a is torch.float32 else a
 
     outs = ()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            env[node] = up(next(feed))
+            env[node], c = up(next(feed)), next(ulps)
+            if c and isinstance(env[node], torch.Tensor) and env[node].is_floating_point():
+                tracked.append((node, env[node], (), env[node].detach().abs() * c * U32))
         elif node.op == "get_attr":
             env[node] = up(getattr(gm, node.target))
         elif node.op == "call_function":
@@ -270,6 +282,10 @@ def fp32_bound(fn, *inputs, rows: int | None = None, batch: int = 64):
                 if isinstance(out, torch.Tensor) and out.is_floating_point() and not out.requires_grad:
                     out.requires_grad_(True)  # a constant made inside the graph (zeros, scalar_tensor)
             env[node] = out
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                # a branch torch.where does not take still gets a zero adjoint, and its backward can
+                # turn that into 0 * inf = NaN (log1p(-1), 1/0); it does not reach the output: zero it
+                out.register_hook(lambda g: torch.nan_to_num(g, nan=0.0, posinf=math.inf, neginf=-math.inf))
             if isinstance(out, torch.Tensor) and out.is_floating_point():
                 with torch.no_grad():
                     a = [x.detach() if isinstance(x, torch.Tensor) else x for x in args]
@@ -277,7 +293,7 @@ def fp32_bound(fn, *inputs, rows: int | None = None, batch: int = 64):
                 tracked.append((node, out, args, mag))
         elif node.op == "output":
             outs = arg(node.args[0])
-    outs = torch.utils._pytree.tree_leaves(outs)
+    outs, spec = torch.utils._pytree.tree_flatten(outs)
     refs, bounds = [], []
     for y in outs:
         by_row = rows is not None and y.dim() > 0 and y.shape[0] == rows
@@ -309,4 +325,5 @@ def fp32_bound(fn, *inputs, rows: int | None = None, batch: int = 64):
         refs.append(y.detach())
         # the float64 reference is itself off by the same analysis at u = 2^-53: 2^-29 of the bound
         bounds.append((b.T if by_row else b[:, 0]).reshape(y.shape) * (1 + U64 / U32))
-    return refs, bounds
+    unflat = torch.utils._pytree.tree_unflatten
+    return unflat(refs, spec), unflat(bounds, spec)

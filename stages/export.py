@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from . import models
+from .errors import UserError
 from .session import Session
 from .store import fault, write_json
 
@@ -42,12 +43,9 @@ def run(sess: Session, out: Path | None = None) -> Path:
     cfg = sess.cfg
     out = Path(out or Path(cfg.artifacts) / "export" / cfg.run)
     final = sess.policy_digest(cfg.train.updates)
-    pol = sess.store.get("update" if cfg.train.updates else "init", final)
-    if pol is None:
-        from . import train
-
-        train.ensure_policy(sess, cfg.train.updates)
-        pol = sess.store.path("update" if cfg.train.updates else "init", final)
+    pol = sess.store.get(sess.chain.policy_stage(cfg.train.updates), final)
+    if pol is None:  # the driver publishes it first (stages/train.py ensure_policy)
+        raise UserError(f"export: the final policy {final[:12]} is not in the store; run train first")
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "a") as lock:  # one exporter per dir (two runs, one view)
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes

@@ -41,7 +41,6 @@ def opd(*args: str, cwd: Path, env: dict | None = None, check: bool = True, time
 
 
 def session(work: Path, *overrides: str):
-    from stages import config
-    from stages.session import Session
+    from stages import config, train
 
-    return Session(config.compose([*TINY, *overrides], ROOT / "conf"))
+    return train.session(config.compose([*TINY, *overrides], ROOT / "conf"))

@@ -23,8 +23,9 @@ class Session:
         self.run_dir = Path(cfg.artifacts) / "runs" / cfg.run
         self.device = models.resolve_device(cfg.runtime.device)
         self.dtype = models.resolve_dtype(cfg.runtime.dtype, self.device)
-        if cfg.runtime.threads:
-            torch.set_num_threads(cfg.runtime.threads)
+        # Always an explicit count (the default: torch's own): it also turns MKL's dynamic threading
+        # off, one of MKL's conditions for reproducible results (stages/reproducible.py).
+        torch.set_num_threads(cfg.runtime.threads or torch.get_num_threads())
         self._prepared: dict | None = None
         self._chain: identity.Chain | None = None
         self._student = self._teacher = self._engine = None
@@ -134,8 +135,14 @@ class Session:
 
     def runtime_slice(self) -> dict:
         s = {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch.")}
-        if self.device.type == "cpu":  # CPU kernels may split reductions by thread count: part of the bytes
-            s["threads"] = torch.get_num_threads()
+        if self.device.type == "cpu":
+            from . import reproducible
+
+            # MKL's reproducibility mode decides the CPU bytes (stages/reproducible.py)
+            m = reproducible.check()
+            if m != "none":  # (no key without MKL: those digests are what they were)
+                s["mkl_cbwr"] = m
+            s["threads"] = torch.get_num_threads()  # CPU kernels may split reductions by thread count
         return s
 
     # ---- digest chain (computed from the stages' declarations: stages/identity.py) ----

@@ -1,0 +1,62 @@
+"""MKL's strict reproducibility in every `opd` process, and a user's non-strict MKL_CBWR never silent."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from support import OPD, ROOT, TINY
+from stages import reproducible  # noqa: F401
+
+needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch's BLAS is not MKL here")
+
+
+def _run(argv, cwd, **env_changes):
+    """A fresh process with MKL_CBWR as a user's shell would have it (None: not set at all)."""
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    for k, v in env_changes.items():
+        if v is not None:
+            env[k] = v
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _doctor_checks(cwd, **env) -> dict:
+    r = _run([OPD, "doctor", "--format", "json"], cwd, **env)
+    return {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+
+
+@needs_mkl
+def test_a_fresh_opd_process_runs_mkl_in_strict_mode(tmp_path):
+    """The console script sets MKL_CBWR before torch loads, and MKL itself reports the mode (what
+    it computes with, not just what the environment says)."""
+    c = _doctor_checks(tmp_path, MKL_CBWR=None)["cpu reproducibility"]
+    assert c["status"] == "ok" and "AUTO,STRICT" in c["detail"], c
+    # so does `python -m stages...`, and any script importing stages before torch
+    code = "import stages, torch; from stages import reproducible as r; print(r.mode(), __import__('os').environ['MKL_CBWR'])"
+    out = _run([sys.executable, "-c", code], tmp_path, MKL_CBWR=None, PYTHONPATH=str(ROOT)).stdout.split()
+    assert out == ["AUTO,STRICT", "AUTO,STRICT"]
+    # importing torch (and running MKL) first is too late: MKL reads the variable once
+    late = "import torch; torch.ones(8, 8) @ torch.ones(8, 8); import stages; from stages import reproducible as r; print(r.mode())"
+    assert _run([sys.executable, "-c", late], tmp_path, MKL_CBWR=None, PYTHONPATH=str(ROOT)).stdout.split() == ["BRANCH_OFF"]
+
+
+@needs_mkl
+@pytest.mark.parametrize("user", ["AUTO", ""])
+def test_a_users_non_strict_mkl_cbwr_is_kept_with_a_warning_and_joins_identity(work, user):
+    """A user's own MKL_CBWR wins (it may be deliberate), but never silently: one warning line,
+    and the thread count joins the CPU identity, so its results never mix with strict ones."""
+    assert _doctor_checks(work, MKL_CBWR=user)["cpu reproducibility"]["status"] == "warn"
+    strict = _run([OPD, "stage", "rollout", "--step", "1", *TINY], work, MKL_CBWR=None)
+    loose = _run([OPD, "stage", "rollout", "--step", "1", *TINY], work, MKL_CBWR=user)
+    assert strict.returncode == 0 and loose.returncode == 0, loose.stderr
+    warnings = [ln for ln in loose.stderr.splitlines() if ln.startswith("warning: MKL runs without strict")]
+    assert len(warnings) == 1 and "joins every CPU stage's identity" in warnings[0]
+    assert "warning: MKL" not in strict.stderr
+    digest = lambda r: re.search(r"store/rollout/(\w+)/", r.stdout).group(1)  # noqa: E731
+    assert digest(strict) != digest(loose)  # two store entries: neither run reuses the other's bytes

@@ -31,7 +31,7 @@ class Stage:
 
 
 MODEL_KEYS = ("name", "revision", "init", "keep_layers", "trust_remote_code", "tokenizer")
-# device, dtype and (CPU) MKL's reproducibility mode and the thread count: Session.runtime_slice
+# device, dtype, (CPU) MKL's mode and, only where it changes bytes, the thread count: Session.runtime_slice
 RUNTIME = ("runtime",)
 
 STAGES: dict[str, Stage] = {s.name: s for s in (

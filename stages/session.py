@@ -138,11 +138,13 @@ class Session:
         if self.device.type == "cpu":
             from . import reproducible
 
-            # MKL's reproducibility mode decides the CPU bytes (stages/reproducible.py)
+            # MKL's reproducibility mode decides the CPU bytes; under its strict mode the thread
+            # count does not (1 and 2 threads give identical runs), under any other mode it may
             m = reproducible.check()
             if m != "none":  # (no key without MKL: those digests are what they were)
                 s["mkl_cbwr"] = m
-            s["threads"] = torch.get_num_threads()  # CPU kernels may split reductions by thread count
+            if not reproducible.thread_independent(m):
+                s["threads"] = torch.get_num_threads()
         return s
 
     # ---- digest chain (computed from the stages' declarations: stages/identity.py) ----

@@ -1,4 +1,5 @@
-"""MKL's strict reproducibility in every `opd` process, and a user's non-strict MKL_CBWR never silent."""
+"""MKL's strict reproducibility in every `opd` process, the thread count out of CPU identity under it,
+and a user's non-strict MKL_CBWR never silent."""
 from __future__ import annotations
 
 import json
@@ -10,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from support import OPD, ROOT, TINY
-from stages import reproducible  # noqa: F401
+from support import OPD, ROOT, TINY, session
+from stages import reproducible
 
 needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch's BLAS is not MKL here")
 
@@ -60,3 +61,12 @@ def test_a_users_non_strict_mkl_cbwr_is_kept_with_a_warning_and_joins_identity(w
     assert "warning: MKL" not in strict.stderr
     digest = lambda r: re.search(r"store/rollout/(\w+)/", r.stdout).group(1)  # noqa: E731
     assert digest(strict) != digest(loose)  # two store entries: neither run reuses the other's bytes
+
+
+def test_thread_count_is_in_cpu_identity_only_without_strict_mode(work):
+    one, two = session(work, "runtime.threads=1"), session(work, "runtime.threads=2")
+    if reproducible.thread_independent(reproducible.mode()):
+        assert one.runtime_slice() == two.runtime_slice() and "threads" not in one.runtime_slice()
+        assert one.rollout_digest(1) == two.rollout_digest(1) and one.update_digest(2) == two.update_digest(2)
+    else:  # no MKL, or a user's non-strict mode: results may depend on it
+        assert one.runtime_slice()["threads"] == 1 and two.runtime_slice()["threads"] == 2

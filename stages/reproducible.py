@@ -100,3 +100,81 @@ def dynamic() -> int | None:
     f = _mkl_fn("get_dynamic")
     return None if f is None else f()
 
+
+# ---- the stack: what computed the bytes, besides a stage's identity --------------------------------
+STACK_PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "numpy", "pyarrow")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+@lru_cache(maxsize=1)
+def stack() -> dict:
+    """Library versions, CPU model and the instruction set torch dispatches to, MKL's mode and the
+    GPU, plus a digest of all that. Recorded in every stage's state.json and the export manifest;
+    never part of an identity (a stage found in the store is used whatever stack computed it; this
+    says which one did, and `opd doctor` compares the installed one with requirements.lock)."""
+    import importlib.metadata as md
+    import json
+    import platform
+
+    import torch
+    import xxhash
+
+    s: dict = {"python": platform.python_version()}
+    for d in STACK_PACKAGES:
+        try:
+            s[d] = md.version(d)
+        except md.PackageNotFoundError:
+            s[d] = None
+    s["cpu"] = f"{_cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
+    s["mkl_cbwr"] = mode()
+    s["gpu"] = None
+    if torch.cuda.is_available():
+        cap = ".".join(map(str, torch.cuda.get_device_capability(0)))
+        s["gpu"] = f"{torch.cuda.get_device_name(0)} (sm {cap}, CUDA {torch.version.cuda})"
+    s["digest"] = xxhash.xxh3_128_hexdigest(json.dumps(s, sort_keys=True).encode())
+    return s
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def read_lock(path) -> dict[str, str]:
+    """{normalised distribution name: version} of a requirements.lock (`name==version` lines)."""
+    out = {}
+    for line in open(path):
+        line = line.split("#", 1)[0].split(";", 1)[0].strip()
+        name, sep, ver = line.partition("==")
+        if sep:
+            out[_norm(name.strip())] = ver.strip()
+    return out
+
+
+def lock_differences(path) -> list[tuple[str, str, str]]:
+    """(name, installed, locked) for every locked distribution installed at another version. torch
+    compares by public version (2.13.0+cu130, a GPU user's own build, matches a lock's 2.13.0);
+    locked packages that are not installed (e.g. test extras) are not differences."""
+    import importlib.metadata as md
+
+    out = []
+    for name, want in sorted(read_lock(path).items()):
+        try:
+            have = md.version(name)
+        except md.PackageNotFoundError:
+            continue
+        same = have.split("+")[0] == want.split("+")[0] if name == "torch" else have == want
+        if not same:
+            out.append((name, have, want))
+    return out

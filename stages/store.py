@@ -250,6 +250,11 @@ class Store:
             self.wait(d)
 
     def _seal(self, tmp: Path, stage: str, dig: str) -> None:
+        st = tmp / "state.json"
+        if st.is_file():  # which stack computed these bytes: a record, never part of the identity
+            from .reproducible import stack
+
+            write_json(st, {**json.loads(st.read_text()), "stack": stack()})
         paths = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
         for p in paths:
             with open(p, "rb+") as f:

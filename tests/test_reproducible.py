@@ -1,5 +1,5 @@
 """MKL's strict reproducibility in every `opd` process, the thread count out of CPU identity under it,
-and a user's non-strict MKL_CBWR never silent."""
+a user's non-strict MKL_CBWR never silent, the stack record and the lock comparison."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from support import OPD, ROOT, TINY, session
-from stages import reproducible
+from stages import doctor, reproducible
 
 needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch's BLAS is not MKL here")
 
@@ -70,3 +70,40 @@ def test_thread_count_is_in_cpu_identity_only_without_strict_mode(work):
         assert one.rollout_digest(1) == two.rollout_digest(1) and one.update_digest(2) == two.update_digest(2)
     else:  # no MKL, or a user's non-strict mode: results may depend on it
         assert one.runtime_slice()["threads"] == 1 and two.runtime_slice()["threads"] == 2
+
+
+def test_stack_record(monkeypatch):
+    s = reproducible.stack()
+    assert set(s) == {"python", *reproducible.STACK_PACKAGES, "cpu", "mkl_cbwr", "gpu", "digest"}
+    assert s["torch"] == torch.__version__ and re.fullmatch(r"[0-9a-f]{32}", s["digest"])
+    assert s["cpu"].endswith(f"({torch.backends.cpu.get_cpu_capability()})")
+
+
+def test_lock_differences_are_listed_by_doctor(tmp_path, monkeypatch):
+    import transformers
+
+    public = torch.__version__.split("+")[0]
+    lock = tmp_path / "requirements.lock"
+    lock.write_text(f"# comment\ntorch=={public}\ntransformers==0.0.1\nnot-a-package-here==1.0\nPyArrow=="
+                    f"{__import__('pyarrow').__version__}\n")
+    # torch by public version (a local build label is no difference); uninstalled lock entries are none
+    assert reproducible.lock_differences(lock) == [("transformers", transformers.__version__, "0.0.1")]
+    monkeypatch.setattr("stages.config.ROOT", tmp_path)
+    c = {x.name: x for x in doctor.check_reproducibility()}["lock"]
+    assert c.status == doctor.WARN and f"transformers {transformers.__version__} (lock 0.0.1)" in c.detail
+    lock.write_text(f"torch=={public}\n")
+    c = {x.name: x for x in doctor.check_reproducibility()}["lock"]
+    assert c.status == doctor.OK and "(1 locked)" in c.detail
+
+
+def test_committed_lock_pins_the_stack_and_install_sh_reads_it():
+    lock = reproducible.read_lock(ROOT / "requirements.lock")
+    for name in reproducible.STACK_PACKAGES:
+        assert re.fullmatch(r"\d+(\.\d+)+", lock[name]), (name, lock.get(name))  # exact, no local label
+    install = (ROOT / "install.sh").read_text()
+    assert "sed -n 's/^torch==//p' \"$LOCK\"" in install and 'grep -v \'^torch==\' "$LOCK"' in install
+
+
+@pytest.mark.skipif(not os.environ.get("CI"), reason="only CI's venv is made by ./install.sh test from the lock")
+def test_ci_installed_exactly_the_lock():
+    assert reproducible.lock_differences(ROOT / "requirements.lock") == []

@@ -1,5 +1,6 @@
 """The intra-op thread count changes no byte of a CPU run (MKL in strict reproducibility mode, which
-every `opd` process and this suite's fork server set before torch loads; stages/reproducible.py)."""
+every `opd` process and this suite's fork server set before torch loads; stages/reproducible.py),
+and every stage records the stack that computed it, outside its identity."""
 from __future__ import annotations
 
 import json
@@ -24,3 +25,13 @@ def test_another_thread_count_computes_the_same_bytes(fresh, reference):
     # the run view's config.json records the setting itself; nothing computed may differ
     assert [d for d in differences(fresh.dir, reference.dir) if not d.startswith("runs/default/config.json")] == []
     assert json.loads((fresh.artifacts / "runs/default/config.json").read_text())["runtime"]["threads"] == other
+
+
+def test_every_stage_records_the_stack_that_computed_it(reference):
+    want = reproducible.stack()  # this machine and these libraries, as in the fork server's children
+    states = sorted((reference.artifacts / "store").glob("*/*/state.json"))
+    assert {p.parent.parent.name for p in states} >= {"init", "rollout", "score", "update", "evaluate"}
+    for p in states:
+        assert json.loads(p.read_text())["stack"] == want, p
+    manifest = json.loads((reference.artifacts / "export" / "default" / "manifest.json").read_text())
+    assert manifest["stack"] == want and manifest["stack"]["torch"] == manifest["versions"]["torch"]

@@ -43,7 +43,7 @@ class Session:
             _ = self.placement  # decided (or refused) before any weights load
             base = models.load(self.model_dir("student"), self.cfg.student, self.device, self.dtype)
             if self.cfg.train.activation_checkpointing:  # only active in train() mode, i.e. the update
-                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                models.enable_activation_checkpointing(base)
             self._student = models.add_lora(base, self.cfg.lora, seed_of(self.init_digest()))
         memory.ensure_on_device(self, "student")
         return self._student

@@ -95,7 +95,10 @@ def forward(tmp: Path, cfg) -> dict:
         rows = read_verl_parquet(str(tmp / "data" / "train.parquet"), cfg.data.prompt_key)
         ids = prompt_ids(tok, rows.column(cfg.data.prompt_key)[0].as_py(), cfg.data)
         base = AutoModelForCausalLM.from_pretrained(tmp / "base", dtype=torch.float32)
-        model = PeftModel.from_pretrained(base, tmp / "adapter").eval()
+        from ..models import peft_wrap_quietly
+
+        with peft_wrap_quietly():
+            model = PeftModel.from_pretrained(base, tmp / "adapter").eval()
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits  # [1, T, V]
         if logits.shape[:2] != (1, len(ids)) or not torch.isfinite(logits).all():

@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from . import models
+from . import models, reproducible
 from .errors import UserError
 from .session import Session
 from .store import fault, write_json
@@ -72,7 +72,7 @@ def _export(sess: Session, pol: Path, final: str, out: Path) -> None:
     (tmp / "adapter" / "adapter_config.json").write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
     files = {str(p.relative_to(tmp)): sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
     write_json(tmp / "manifest.json", {
-        "run": cfg.run, "versions": models.env_versions(), "device": sess.device.type,
+        "run": cfg.run, "versions": models.env_versions(), "stack": reproducible.stack(), "device": sess.device.type,
         "dtype": str(sess.dtype), "student": cfg.student.name, "teacher": cfg.teacher.name,
         "digests": {"prepared": sess.prepared, "initial_policy": sess.policy_digest(0), "final_policy": final,
                     "steps": {k: {"rollout": sess.rollout_digest(k), "score": sess.score_digest(k),

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import stages  # noqa: F401  (before torch: it sets MKL_CBWR, which MKL reads once; stages/reproducible.py)
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent

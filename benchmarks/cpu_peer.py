@@ -61,14 +61,24 @@ def med(xs):
     return round(statistics.median(xs), 4) if xs else None
 
 
-def run_proc(cmd: list[str], cwd: Path, env: dict, log: Path) -> dict:
-    """Run one process; wall time, exit code and the process's own peak RSS (wait4)."""
+def run_proc(cmd: list[str], cwd: Path, env: dict, log: Path, timeout: float | None = None) -> dict:
+    """Run one process; wall time, exit code and the process's own peak RSS (wait4). Past `timeout`
+    seconds it is killed (rc -9, timed_out in the record)."""
     t = time.perf_counter()
+    timed_out = False
     with open(log, "w") as fh:
         p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(p.pid, 0)
+        while True:
+            pid, status, usage = os.wait4(p.pid, 0 if timeout is None else os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() - t > timeout:
+                p.kill()
+                timed_out, timeout = True, None  # the next wait4 blocks until it is gone
+            else:
+                time.sleep(0.2)
         p.returncode = os.waitstatus_to_exitcode(status)
-    return {"rc": p.returncode, "wall_s": round(time.perf_counter() - t, 2),
+    return {"rc": p.returncode, "wall_s": round(time.perf_counter() - t, 2), **({"timed_out": True} if timed_out else {}),
             "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
             "peak_rss_gib": round(usage.ru_maxrss / 2**20, 3), "log": str(log)}
 
@@ -215,13 +225,18 @@ from miniverl.training.trainer import OPDTrainer
 cycles, marks = [], {}
 orig = OPDTrainer._run_cycle
 cpu = []
+CUDA = torch.cuda.is_available()  # (systems.py drives this launcher on the GPU too)
 def timed(self):
     c = time.process_time()
+    if CUDA:
+        torch.cuda.synchronize()
     t = time.perf_counter()
     marks.setdefault("first_cycle_start_s", t - T0)
     try:
         return orig(self)
     finally:
+        if CUDA:
+            torch.cuda.synchronize()
         cycles.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
         if len(cycles) == 1:
@@ -230,7 +245,8 @@ OPDTrainer._run_cycle = timed
 from miniverl.cli import app
 code = 0
 try:
-    app(argv, standalone_mode=False)
+    ret = app(argv, standalone_mode=False)  # (a handled error returns its exit code)
+    code = ret if isinstance(ret, int) else 0
 except SystemExit as e:
     code = e.code if isinstance(e.code, int) else 1
 except Exception as e:
@@ -238,6 +254,8 @@ except Exception as e:
 import importlib.metadata as md
 json.dump({"cycle_wall_s": [round(c, 4) for c in cycles], "cycle_cpu_s": [round(c, 4) for c in cpu], **{k: round(v, 3) for k, v in marks.items()},
            "torch_threads": torch.get_num_threads(), "rc": code,
+           **({"cuda_peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+               "cuda_peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3)} if CUDA else {}),
            "versions": {p: md.version(p) for p in ("miniverl", "torch", "transformers", "peft")}},
           open(out_path, "w"))
 sys.exit(code)
@@ -280,14 +298,19 @@ def recipe(w: dict, student: Path, teacher: Path, prompts: Path, backend: str) -
 
 
 def miniverl(w: dict, work: Path, mv_python: str, student: Path, teacher: Path, prompts: Path, env: dict,
-             backend: str) -> dict:
-    name = f"miniverl-{backend}"
-    res = {"name": f"miniVERL 0.16 ({backend})", "rollout_backend": backend}
+             backend: str, adjust=None, arm: str | None = None, timeout: float | None = None) -> dict:
+    """One miniVERL arm. adjust(recipe) edits the recipe in place (systems.py: cuda, bf16, compile);
+    arm names it when one backend runs in two settings."""
+    arm = arm or backend
+    name = f"miniverl-{arm}"
+    res = {"name": f"miniVERL 0.16 ({arm})", "rollout_backend": arm}
     if not Path(mv_python).exists():
         res["error"] = f"{mv_python} does not exist: install miniverl into its own venv (see this file's docstring)"
         return res
     rec = work / f"{name}.recipe.yaml"
     res["recipe"] = recipe(w, student, teacher, prompts, backend)
+    if adjust:
+        adjust(res["recipe"])
     rec.write_text(json.dumps(res["recipe"], indent=1))  # JSON is YAML
     launcher = work / "mv_launcher.py"
     launcher.write_text(LAUNCHER)
@@ -295,13 +318,20 @@ def miniverl(w: dict, work: Path, mv_python: str, student: Path, teacher: Path, 
     argv = ["train", str(rec), "--offline", "--no-report", "--json", "--output", str(work / "mvruns"),
             "--run-id", name, "--overwrite"]
     res["command"] = f"miniverl {' '.join(argv)}"
-    proc = run_proc([mv_python, str(launcher), str(out), *argv], work, env, work / f"{name}.log")
+    proc = run_proc([mv_python, str(launcher), str(out), *argv], work, env, work / f"{name}.log", timeout)
     res["process"] = proc
-    if proc["rc"] or not out.exists():
-        res["error"] = tail(work / f"{name}.log")
+    def failed(why: str) -> dict:  # first line: what happened and the log's last line; then the log's tail
+        log = tail(work / f"{name}.log")
+        last = next((ln for ln in reversed(log.splitlines()) if ln.strip()), "")
+        res["error"] = f"{why}: {last.strip()[:200]}\n{log}"
         return res
+
+    if proc["rc"] or not out.exists():
+        return failed(f"killed after {timeout:.0f} s" if proc.get("timed_out") else f"exit code {proc['rc']}")
     timing = json.loads(out.read_text())
     run = work / "mvruns" / name
+    if timing.get("rc") or not timing["cycle_wall_s"] or not (run / "metrics.jsonl").exists():
+        return failed(f"no cycle ran (exit code {timing.get('rc')})")
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     cyc = [m for m in metrics if m.get("phase") == "opd_cycle"]
     opt = [m for m in metrics if m.get("phase") == "opd"]
@@ -326,6 +356,7 @@ def miniverl(w: dict, work: Path, mv_python: str, student: Path, teacher: Path, 
         "prompt_lengths": prompt_lens, "response_lengths": gen_lens,
         "prompt_ids_used": sorted(tuple(t["token_ids"][: t["spans"][0]["end"]]) for t in trajs),
         "cpu_s_per_update": timing.get("cycle_cpu_s"),
+        **{k: timing[k] for k in ("cuda_peak_allocated_gib", "cuda_peak_reserved_gib") if k in timing},
     })
     return res
 

@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (the `device` tool): install what it lacks from carried wheels,
-# run every GPU-marked test, then the systems benchmark, logs and results under $OUT.
-#   here:   ../shared/device/wheels.sh hydra-core==1.3.2 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 \
-#             trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 bitsandbytes==0.50.0
+# run every GPU-marked test, then the systems benchmark (ours, TRL, miniVERL), logs and results under $OUT.
+#   here:   ../shared/device/wheels.sh hydra-core==1.3.2 omegaconf==2.3.0 trl==1.16.0 datasets==5.2.0 \
+#             dill==0.4.1 multiprocess==0.70.19 bitsandbytes==0.50.0 miniverl==0.16.0 pydantic pydantic-core \
+#             platformdirs annotated-types typing-inspection typing-extensions
+#           pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   (an sdist upstream)
 #           (and the SmolLM2 tokenizer files in .bench/smollm2-tokenizer: `opd stage prepare` once, then
-#            copy artifacts/store/tokenizer/<digest> there)
+#            copy artifacts/store/tokenizer/<digest> there; .whl and .bench in .git/info/exclude)
 #   device: run(command="bash benchmarks/device_run.sh [tests|bench|all]", carry=[".whl", ".bench"])
 # The embedded GGUF model is over the carry limit, so tests take the tokenizer from .bench
 # (OPD_TEST_TOKENIZER) and the benchmark builds random-init models of the real shapes.
+# Durations seen on the H200 (2026-12-01): tests ~260 s (the byte-identity test ~110 s of it); bench:
+# seed models ~40 s, ours ~50 s, ckpt ~35 s, TRL ~50 s, miniVERL hf_reference ~4 min (22.8 s per
+# rollout), hf_cached ~1.5 min, the compiled arm unknown (never finished in its share), workload b
+# ~40 s. `all` does not fit one 600 s call: run `tests` and `bench` as two calls (bench with
+# OPD_DEADLINE_S=570 and timeout 600), or drop arms through OPD_BENCH_EXTRA.
+# OPD_BENCH_EXTRA: more systems.py options, later ones win (e.g. "--ours default --peers miniverl").
+# OPD_DEADLINE_S (default 520): seconds from this script's start by which the benchmark stops
+# starting systems (the ones skipped are recorded as such), so the call ends inside its limit.
+# At most 8 files come back from $OUT: env.txt, gpu-tests.log, gpu-replay.json, systems.log,
+# profile.txt, systems/<date>-<gpu>-systems.{json,md}.
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-/tmp/out}
@@ -15,16 +27,23 @@ mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD OPD_TEST_TOKENIZER=$PWD/.bench/smollm2-tokenizer TOKENIZERS_PARALLELISM=false
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$out/install.log" 2>&1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.txt" 2>&1
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+  python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1
+} >"$out/env.txt" 2>&1
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$out/gpu-tests.log" | tail -25
+  OPD_GPU_RECORD="$out/gpu-replay.json" python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 \
+    | tee "$out/gpu-tests.log" | tail -25
   rc=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  python3 benchmarks/systems.py --workload a --peers trl --tokenizer .bench/smollm2-tokenizer \
-    --out "$out/systems" --work /tmp/bw --profile "$out/profile.txt" 2>&1 | tee "$out/systems.log" | tail -25
+  left=$(( ${OPD_DEADLINE_S:-520} - SECONDS ))
+  work=$(mktemp -d /tmp/opd-bench-XXXXXX)  # a fresh work dir: nothing of an earlier run is reused
+  python3 benchmarks/systems.py --workload all --peers trl,miniverl --tokenizer .bench/smollm2-tokenizer \
+    --out "$out/systems" --work "$work" --profile "$out/profile.txt" --deadline-s "$left" \
+    ${OPD_BENCH_DATE:+--date "$OPD_BENCH_DATE"} ${OPD_BENCH_EXTRA:-} 2>&1 | tee "$out/systems.log" | tail -40
   rc=$(( rc || PIPESTATUS[0] ))
 fi
 exit "$rc"

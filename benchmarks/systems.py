@@ -24,15 +24,22 @@ import os
 import statistics
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # cpu_peer (miniVERL recipe and launcher)
+import stages  # noqa: E402,F401  (before torch anywhere in this process: MKL's reproducibility mode)
 
 WORKLOAD_A = dict(student="smollm2-360m", teacher="smollm2-1.7b", prompts=4, prompt_tokens=128, response=64,
                   updates=8, topk=32)
+# --smoke: the driver end to end on CPU in a minute (tiny random Llamas; no TRL, whose runner needs CUDA)
+WORKLOAD_SMOKE = dict(student="tiny-llama", teacher="tiny-llama-teacher", prompts=2, prompt_tokens=48, response=8,
+                      updates=3, topk=8)
+DEVICE = "cuda"  # "cpu" under --smoke
 WORKLOAD_B = dict(student="qwen3-0.6b", teacher="qwen3-1.7b", prompts=64, prompt_tokens=128, response=512,
                   updates=4, topk=32)
 
@@ -69,69 +76,99 @@ def exact_prompts(tok, n: int, length: int, seed: int = 0) -> list[list[dict]]:
 
 
 # ---------------------------------------------------------------- ours, workload (a): the pipeline
-def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile_dir: Path | None = None,
-                  extra: tuple[str, ...] = (), name: str = "opd-stages") -> dict:
+def overrides_for(w: dict, work: Path, tokenizer: str, artifacts: Path, name: str, extra: tuple[str, ...] = ()) -> list[str]:
+    return [
+        f"student.name=arch:{w['student']}", "student.init=random", "student.keep_layers=0", f"student.tokenizer={tokenizer}",
+        f"teacher.name=arch:{w['teacher']}", "teacher.init=random", f"teacher.tokenizer={tokenizer}",
+        f"data.path={work / 'prompts.parquet'}", f"data.num_train={w['prompts'] * w['updates']}", "data.num_eval=4",
+        f"data.max_prompt_tokens={w['prompt_tokens']}", f"rollout.batch_size={w['prompts']}",
+        f"rollout.max_new_tokens={w['response']}", f"rollout.min_new_tokens={w['response']}",
+        f"objective.topk={w['topk']}", f"train.updates={w['updates']}", f"runtime.device={DEVICE}",
+        f"artifacts={artifacts}", "eval.max_new_tokens=8", f"run={name}", *extra,
+    ]
+
+
+def seed_store(w: dict, work: Path, tokenizer: str) -> dict:
+    """Prompts of exact length (verl Parquet: all rows for ours, the train rows alone for miniVERL)
+    and the random-init model dirs, materialised once by our prepare stage into work/seed (like a
+    download; not timed as part of any system). Each system then starts from a fresh store that
+    holds only these entries (hard links), so nothing of an earlier system can be reused."""
     import pyarrow as pa
+    import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
     from stages import config, tables, train
 
-    tokenizer = str(Path(tokenizer).resolve())
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    n_rows = w["prompts"] * w["updates"] + 4
-    prompts = exact_prompts(tok, n_rows, w["prompt_tokens"])
+    n_train = w["prompts"] * w["updates"]
+    prompts = exact_prompts(tok, n_train + 4, w["prompt_tokens"])
     rows = [{"data_source": "bench", "prompt": p, "ability": "chat", "reward_model": {"style": "rule", "ground_truth": ""},
-             "extra_info": {"split": "train" if i < n_rows - 4 else "test", "index": i}} for i, p in enumerate(prompts)]
-    pq_path = work / "prompts.parquet"
-    tables.write(pq_path, pa.Table.from_pylist(rows, tables.PROMPTS), {"purpose": "benchmark"})
-    overrides = [
-        f"student.name=arch:{w['student']}", "student.init=random", "student.keep_layers=0", f"student.tokenizer={tokenizer}",
-        f"teacher.name=arch:{w['teacher']}", "teacher.init=random", f"teacher.tokenizer={tokenizer}",
-        f"data.path={pq_path}", f"data.num_train={n_rows - 4}", "data.num_eval=4",
-        f"data.max_prompt_tokens={w['prompt_tokens']}", f"rollout.batch_size={w['prompts']}",
-        f"rollout.max_new_tokens={w['response']}", f"rollout.min_new_tokens={w['response']}",
-        f"objective.topk={w['topk']}", f"train.updates={w['updates']}", "runtime.device=cuda",
-        f"artifacts={work / 'artifacts'}", "eval.max_new_tokens=8", f"run={name}", *extra,
-    ]
-    params = work / "params.yaml"
-    cfg = config.compose(overrides)
-    params.write_text(json.dumps(config.to_dict(cfg)))  # JSON is YAML
+             "extra_info": {"split": "train" if i < n_train else "test", "index": i}} for i, p in enumerate(prompts)]
+    table = pa.Table.from_pylist(rows, tables.PROMPTS)
+    tables.write(work / "prompts.parquet", table, {"purpose": "benchmark"})
+    pq.write_table(table.slice(0, n_train), work / "prompts-train.parquet")
     t = time.perf_counter()
-    train.session(cfg)  # prepare: materialise random weights once (like a download; not timed below)
-    materialize_s = time.perf_counter() - t
+    prepared = train.session(config.compose(overrides_for(w, work, tokenizer, work / "seed", "seed"))).prepared
+    store = work / "seed" / "store" / "model"
+    return {"materialize_random_weights_s": round(time.perf_counter() - t, 2), "prepared": dict(prepared),
+            "student_dir": str(store / prepared["student"]), "teacher_dir": str(store / prepared["teacher"])}
+
+
+def fresh_artifacts(work: Path, name: str) -> Path:
+    art = work / name / "artifacts"
+    if art.exists():
+        raise SystemExit(f"error: {art} exists: every system runs in a fresh store (give a fresh --work)")
+    # the seed's entries only (tokenizer, models, prompts), linked: nothing computed by another system
+    shutil.copytree(work / "seed" / "store", art / "store", symlinks=True, copy_function=os.link)
+    return art
+
+
+def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile: Path | None = None,
+                  extra: tuple[str, ...] = (), name: str = "opd-stages") -> dict:
+    from stages import config
+
+    tokenizer = str(Path(tokenizer).resolve())
+    art = fresh_artifacts(work, name)
+    overrides = overrides_for(w, work, tokenizer, art, name, extra)
+    params = work / name / "params.yaml"
+    params.write_text(json.dumps(config.to_dict(config.compose(overrides))))  # JSON is YAML
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     cmd = [python, "-m", "stages.cli", "stage", "train", "--params", str(params)]
     t = time.perf_counter()
-    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
+    r = subprocess.run(cmd, cwd=work / name, env=env, capture_output=True, text=True)
     train_proc_s = time.perf_counter() - t
     if r.returncode:
         raise RuntimeError(f"ours failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    run_dir = work / "artifacts" / "runs" / name
+    run_dir = art / "runs" / name
     train_json = json.loads((run_dir / "train.json").read_text())
-    (work / f"train_first-{name}.json").write_text(json.dumps(train_json))
+    walls = train_json["timings"].get("step_wall_s", [])
+    if len(walls) != w["updates"]:  # a step read back from a store is not a measurement
+        raise RuntimeError(f"ours ({name}): {w['updates'] - len(walls)} of {w['updates']} steps were reused from "
+                           f"the store in {art}, not computed: the benchmark needs a fresh store")
     steps = [json.loads((run_dir / f"step-{k:04d}" / "state.json").read_text()) for k in range(1, w["updates"] + 1)]
     # resume: the same command again; every stage is published, so this is pure resumption overhead
     t = time.perf_counter()
-    r2 = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
+    r2 = subprocess.run(cmd, cwd=work / name, env=env, capture_output=True, text=True)
     resume_proc_s = time.perf_counter() - t
     resume_json = json.loads((run_dir / "train.json").read_text())
     per = lambda ph, key: [s[ph].get(key) for s in steps[1:]]  # noqa: E731  medians skip update 1 (warm-up)
     update_total = [s["rollout"]["wall_s"] + s["score"]["wall_s"] + s["policy"]["wall_s"] for s in steps[1:]]
-    resp_tok = w["prompts"] * w["response"]
-    pos = w["prompts"] * w["response"]
-    walls = train_json["timings"].get("step_wall_s", [])
+    pos = w["prompts"] * w["response"]  # response tokens = scored = trained positions per update
+    rate = lambda xs: round(pos / median(xs), 1) if median(xs) else None  # noqa: E731
     out = {
-        "name": name, "settings": list(extra), "materialize_random_weights_s": round(materialize_s, 2),
+        "name": name, "settings": list(extra),
         # a whole step as the user waits for it (phases + Parquet/adapter IO + publishing), update 1 excluded
         "median_update_s": median(walls[1:]), "median_phase_sum_s": median(update_total), "step_wall_s": walls,
         "store_seconds_total": train_json["timings"].get("store_seconds"),
         "median_rollout_s": median(per("rollout", "wall_s")), "median_score_s": median(per("score", "wall_s")),
         "median_update_phase_s": median(per("policy", "wall_s")),
-        "rollout_tok_per_s": round(resp_tok / median(per("rollout", "wall_s")), 1),
-        "scored_positions_per_s": round(pos / median(per("score", "wall_s")), 1),
-        "update_positions_per_s": round(pos / median(per("policy", "wall_s")), 1),
-        "peak_allocated_gib": {ph: max(s[ph]["peak_allocated_gib"] for s in steps) for ph in ("rollout", "score", "policy")},
-        "peak_reserved_gib": {ph: max(s[ph]["peak_reserved_gib"] for s in steps) for ph in ("rollout", "score", "policy")},
+        "rollout_tok_per_s": rate(per("rollout", "wall_s")),
+        "scored_positions_per_s": rate(per("score", "wall_s")),
+        "update_positions_per_s": rate(per("policy", "wall_s")),
+        # (CPU, --smoke: the phase's peak RSS stands in)
+        "peak_allocated_gib": {ph: max(s[ph].get("peak_allocated_gib", s[ph].get("peak_rss_gib", 0)) for s in steps)
+                               for ph in ("rollout", "score", "policy")},
+        "peak_reserved_gib": {ph: max(s[ph].get("peak_reserved_gib", 0) for s in steps) for ph in ("rollout", "score", "policy")},
         "first_update_incl_construction_s": train_json["timings"].get("first_update_s"),
         "train_process_wall_s": round(train_proc_s, 2),
         "resume_s": resume_json["timings"]["total_s"], "resume_process_wall_s": round(resume_proc_s, 2),
@@ -140,28 +177,40 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile_dir:
     }
     out["peak_allocated_gib"]["overall"] = max(out["peak_allocated_gib"].values())
     out["peak_reserved_gib"]["overall"] = max(out["peak_reserved_gib"].values())
-    if profile_dir:
-        profile_steps(overrides, w["updates"], profile_dir)
+    if profile:
+        out["profiled_phases_s"] = profile_steps(overrides, w["updates"], profile)
     return out
 
 
-def profile_steps(overrides: list[str], done: int, out_dir: Path) -> None:
-    """torch.profiler over one more step (after an unprofiled warm-up step): where the time goes."""
+def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
+    """torch.profiler over one more step (after an unprofiled warm-up step): where the time goes.
+    Writes the tables to `out_file`; returns the profiled phases' wall times."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from stages import config, rollout, score, train, update
 
     sess = train.session(config.compose([*overrides, f"train.updates={done + 2}"]))
     train.ensure_policy(sess, done + 1)  # warm: models resident, graphs captured
-    k = done + 2
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    k, walls = done + 2, {}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=acts) as prof:
         for name, fn in (("rollout", rollout.run), ("score", score.run), ("update", update.run)):
             t = time.perf_counter()
             fn(sess, k)
-            print(f"profiled {name}: {time.perf_counter() - t:.4f} s", flush=True)
+            walls[name] = round(time.perf_counter() - t, 4)
+            print(f"profiled {name}: {walls[name]} s", flush=True)
+        sess.store.flush()
     ka = prof.key_averages()
-    (out_dir / "profile.txt").write_text(
-        ka.table(sort_by="self_cuda_time_total", row_limit=25) + "\n\n" + ka.table(sort_by="cpu_time_total", row_limit=40))
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(
+        f"profiled step {k}: " + json.dumps(walls) + "\n\n" +
+        (ka.table(sort_by="self_cuda_time_total", row_limit=25) + "\n\n" if DEVICE == "cuda" else "") +
+        ka.table(sort_by="cpu_time_total", row_limit=40))
+    del sess, prof
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return walls
 
 
 # ---------------------------------------------------------------- ours, workload (b): the engine
@@ -235,11 +284,9 @@ def ours_blocks(w: dict) -> dict:
 
 
 # ---------------------------------------------------------------- peers
-def trl_peer(w: dict, work: Path, python: str) -> dict:
+def trl_peer(w: dict, work: Path, python: str, seed: dict) -> dict:
     """TRL 1.16 DistillationTrainer on the same model dirs and prompts, in a fresh process."""
-    store = work / "artifacts" / "store" / "model"
-    prep = json.loads((work / "artifacts" / "runs" / "opd-stages" / "prepare.json").read_text())
-    spec = {"student": str(store / prep["student"]), "teacher": str(store / prep["teacher"]),
+    spec = {"student": seed["student_dir"], "teacher": seed["teacher_dir"],
             "prompts": str(work / "prompts.parquet"), "n_prompts": w["prompts"], "response": w["response"],
             "updates": w["updates"], "out": str(work / "trl.json")}
     r = subprocess.run([python, str(ROOT / "benchmarks" / "peer_trl.py"), json.dumps(spec)], capture_output=True,
@@ -249,13 +296,62 @@ def trl_peer(w: dict, work: Path, python: str) -> dict:
     return json.loads((work / "trl.json").read_text())
 
 
-def miniverl_peer() -> dict:
+# miniVERL 0.16's rollout backends on CUDA without vLLM (not carried; its managed engine needs a
+# server): hf_reference (the default), hf_cached (batched KV cache) and hf_cached with
+# rollout.compile_backend (torch.compile of the cached decode backbone, CUDA only; its compile time
+# lands in the first cycle), in that order (under --deadline-s the last ones are the first to go)
+MINIVERL_ARMS = (("hf_reference", "hf_reference", False), ("hf_cached", "hf_cached", False),
+                 ("hf_cached+compile", "hf_cached", True))
+
+
+def miniverl_peer(w: dict, work: Path, python: str, seed: dict, arms: list[str], deadline: float) -> list[dict]:
+    """`miniverl train` with its native recipe (benchmarks/cpu_peer.py's, here device cuda and bf16)
+    on the same model dirs and train prompts, one fresh process per rollout backend."""
+    import cpu_peer
+
     try:
         import miniverl  # noqa: F401
     except ImportError:
-        return {"name": "miniVERL 0.16", "error": "miniverl is not importable on this machine: carry its wheel "
-                "and pure-Python deps (../shared/device/wheels.sh miniverl==0.16.0 ...) to run it here"}
-    return {"name": "miniVERL 0.16", "error": "runner not implemented"}
+        return [{"name": "miniVERL 0.16", "error": "miniverl is not importable here: carry its wheel and runtime "
+                 "deps (../shared/device/wheels.sh miniverl==0.16.0 pydantic pydantic-core ...)"}]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "CPU_PEER_THREADS": str(os.cpu_count() or 1)}
+    out = []
+    todo = [a for a in MINIVERL_ARMS if a[0] in arms]
+    for i, (arm, backend, compiled) in enumerate(todo):
+        left = deadline - time.perf_counter()
+        if left < 30:
+            out.append({"name": f"miniVERL 0.16 ({arm})", "error": f"skipped: {left:.0f} s left before --deadline-s"})
+            continue
+        # what is left, less ~60 s for each arm still to come (on the H200 its default arm needs ~4 min
+        # for 8 cycles, hf_cached ~1.5 min): an arm that finishes early leaves the rest to the next
+        timeout = max(30.0, left - 60.0 * (len(todo) - i - 1))
+
+        def adjust(rec: dict, compiled=compiled) -> None:
+            rec["run"]["name"] = "systems"
+            rec["models"]["device"] = DEVICE
+            for role in ("student", "teacher"):
+                rec["models"][role]["dtype"] = "bfloat16" if DEVICE == "cuda" else "float32"
+            rec["rollout"]["compile_backend"] = compiled
+
+        mw = {**w, "threads": os.cpu_count() or 1}
+        try:
+            s = cpu_peer.miniverl(mw, work, python, Path(seed["student_dir"]), Path(seed["teacher_dir"]),
+                                  work / "prompts-train.parquet", env, backend, adjust, arm, timeout)
+        except Exception as e:  # noqa: BLE001  one arm's failure is recorded, the next arm runs
+            s = {"name": f"miniVERL 0.16 ({arm})", "error": f"{type(e).__name__}: {e}"}
+        s.pop("prompt_ids_used", None)
+        if "error" not in s:
+            cpu_peer.summarize(s)
+            ph = s["median_phase_s"]
+            n = w["prompts"] * w["response"]
+            s.update(median_rollout_s=ph["rollout"], median_score_s=ph["score"], median_update_phase_s=ph["update"],
+                     rollout_tok_per_s=round(n / ph["rollout"], 1) if ph["rollout"] else None,
+                     scored_positions_per_s=round(n / ph["score"], 1) if ph["score"] else None,
+                     update_positions_per_s=round(n / ph["update"], 1) if ph["update"] else None,
+                     peak_allocated_gib=s.get("cuda_peak_allocated_gib"))
+        out.append(s)
+    return out
 
 
 # ---------------------------------------------------------------- report
@@ -283,47 +379,103 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_system(fn, name: str, deadline: float, need_s: float, *a, **kw):
+    """One system; its failure (or no time left before the deadline) is recorded, not fatal."""
+    left = deadline - time.perf_counter()
+    if left < need_s:
+        return {"name": name, "error": f"skipped: {left:.0f} s left before --deadline-s, it needs ~{need_s:.0f} s"}
+    t = time.perf_counter()
+    try:
+        out = fn(*a, **kw)
+    except Exception as e:  # noqa: BLE001  recorded in the result, the run goes on to the next system
+        import traceback
+
+        traceback.print_exc()
+        out = {"name": name, "error": f"{type(e).__name__}: {e}"[-3000:]}
+    print(f"{name}: {time.perf_counter() - t:.1f} s", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=("a", "b", "all"), default="all")
     ap.add_argument("--peers", default="trl,miniverl")
+    ap.add_argument("--ours", default="default,ckpt",
+                    help="our arms: default (the configuration as shipped), ckpt (activation checkpointing)")
+    ap.add_argument("--miniverl-arms", default=",".join(a for a, _, _ in MINIVERL_ARMS))
     ap.add_argument("--tokenizer", required=True, help="a SmolLM2 tokenizer dir (workload a)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--profile", type=Path, default=None, help="write a torch.profiler table of one step here")
+    ap.add_argument("--work", type=Path, default=None, help="a fresh (absent or empty) working dir")
+    ap.add_argument("--profile", type=Path, default=None, help="write a torch.profiler table of one step to this file")
+    ap.add_argument("--date", default=dt.date.today().isoformat(), help="date in the result's name")
+    ap.add_argument("--smoke", action="store_true", help="the driver end to end on CPU with tiny models (no TRL)")
+    ap.add_argument("--deadline-s", type=float, default=float("inf"),
+                    help="skip (and record as skipped) systems that would start too close to this many seconds")
     args = ap.parse_args(argv)
+    global DEVICE
+    if args.smoke:
+        DEVICE = "cpu"
+    t0 = time.perf_counter()
+    deadline = t0 + args.deadline_s
+    work = (args.work or Path(tempfile.mkdtemp(prefix="opd-bench-"))).resolve()
+    if work.exists() and any(work.iterdir()):  # an earlier run's store would turn measured steps into reads
+        print(f"error: --work {work} is not empty; give a fresh dir", file=sys.stderr)
+        return 2
+    work.mkdir(parents=True, exist_ok=True)
     import torch
 
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    result = {"date": dt.date.today().isoformat(), "device": device, "command": " ".join(["python", *sys.argv]),
+    device = torch.cuda.get_device_name(0) if DEVICE == "cuda" and torch.cuda.is_available() else "cpu"
+    result = {"date": args.date, "device": device, "command": " ".join(["python", *sys.argv]),
               "torch": torch.__version__, "workloads": {}}
-    work = args.work or Path(tempfile.mkdtemp(prefix="opd-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    peers = [p for p in args.peers.split(",") if p]
-    if args.workload in ("a", "all"):
-        systems = [ours_pipeline(WORKLOAD_A, work, args.tokenizer, sys.executable, args.profile)]
-        # the same pipeline trading one extra forward for update-phase memory
-        systems.append(ours_pipeline(WORKLOAD_A, work, args.tokenizer, sys.executable, None,
-                                     ("train.activation_checkpointing=true",), "opd-stages-ckpt"))
-        if "trl" in peers:
-            systems.append(trl_peer(WORKLOAD_A, work, sys.executable))
-        if "miniverl" in peers:
-            systems.append(miniverl_peer())
-        ours = systems[0]["median_update_s"]
-        ratios = {s["name"]: round(s["median_update_s"] / ours, 2) for s in systems[1:]
-                  if s.get("median_update_s") and not s["name"].startswith("opd-stages")}
-        result["workloads"]["a"] = {"shape": WORKLOAD_A, "systems": systems, "ratios": ratios}
-        print(json.dumps(result["workloads"]["a"], indent=1), flush=True)
-    if args.workload in ("b", "all"):
-        result["workloads"]["b"] = {"shape": WORKLOAD_B, "systems": [ours_blocks(WORKLOAD_B)]}
-        print(json.dumps(result["workloads"]["b"], indent=1), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = device.replace("NVIDIA ", "").replace(" ", "-").lower()
-    stem = args.out / f"{result['date']}-{gpu}-systems"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(markdown(result))
+    stem = args.out / (f"{result['date']}-smoke" if args.smoke else f"{result['date']}-{gpu}-systems")
+
+    def save() -> None:  # after every system: a run cut short still leaves what it measured
+        result["driver_wall_s"] = round(time.perf_counter() - t0, 1)
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        stem.with_suffix(".md").write_text(markdown(result))
+
+    peers = [p for p in args.peers.split(",") if p]
+    py = sys.executable
+    if args.workload in ("a", "all"):
+        w = WORKLOAD_SMOKE if args.smoke else WORKLOAD_A
+        tok = str(Path(args.tokenizer).resolve())
+        seed = seed_store(w, work, tok)
+        systems: list[dict] = []
+        wa = result["workloads"]["a"] = {"shape": w, "materialize_random_weights_s": seed["materialize_random_weights_s"],
+                                         "systems": systems, "ratios": {}}
+
+        def add(s) -> None:
+            systems.extend(s if isinstance(s, list) else [s])
+            ours = systems[0].get("median_update_s") if systems[0]["name"] == "opd-stages" else None
+            wa["ratios"] = {x["name"]: round(x["median_update_s"] / ours, 2) for x in systems[1:]
+                            if ours and x.get("median_update_s") and not x["name"].startswith("opd-stages")}
+            save()
+
+        ours_arms = args.ours.split(",")
+        if "default" in ours_arms:  # first: the ratios are against it
+            add(run_system(ours_pipeline, "opd-stages", deadline, 60, w, work, tok, py, args.profile))
+        if "ckpt" in ours_arms:  # the same pipeline trading one extra forward for update-phase memory
+            add(run_system(ours_pipeline, "opd-stages-ckpt", deadline, 45, w, work, tok, py, None,
+                           ("train.activation_checkpointing=true",), "opd-stages-ckpt"))
+        if "trl" in peers and not args.smoke:
+            add(run_system(trl_peer, "TRL 1.16 DistillationTrainer", deadline, 60, w, work, py, seed))
+        if "miniverl" in peers:
+            arms = [a for a in args.miniverl_arms.split(",") if a]
+            add(run_system(miniverl_peer, "miniVERL 0.16", deadline, 45, w, work, py, seed, arms, deadline))
+        print(json.dumps(wa, indent=1), flush=True)
+    if args.workload in ("b", "all") and not args.smoke:
+        result["workloads"]["b"] = {"shape": WORKLOAD_B,
+                                    "systems": [run_system(ours_blocks, "opd-stages (engine blocks)", deadline, 40, WORKLOAD_B)]}
+        save()
+        print(json.dumps(result["workloads"]["b"], indent=1), flush=True)
+    save()
     print(markdown(result))
-    return 0
+    failed = [s["name"] for wres in result["workloads"].values() for s in wres["systems"] if "error" in s]
+    if failed:
+        print(f"not measured: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -13,12 +13,31 @@ from .config import LoraCfg, OptimCfg
 
 
 def to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Device -> host in one copy per dtype (hundreds of small LoRA tensors would each sync)."""
+    """Device -> host in one copy per dtype (hundreds of small LoRA tensors would each sync).
+
+    CUDA: on a side stream into pinned memory. This runs on the publish thread; a blocking `.cpu()`
+    there would queue on the default stream, between the next step's kernels, and crawl through
+    pageable memory (~26 ms per copy of adapter or moments measured on an H200, the decode waiting
+    behind it). The side stream first waits for what is queued now (the optimizer step that made
+    these values); only this thread waits for the copies."""
     out: dict[str, torch.Tensor] = {}
-    for dt in {t.dtype for t in tensors.values()}:
-        names = [n for n, t in tensors.items() if t.dtype == dt]
-        flat = torch.cat([tensors[n].detach().reshape(-1) for n in names]).cpu()
-        for n, piece in zip(names, flat.split([tensors[n].numel() for n in names])):
+    groups = {dt: [n for n, t in tensors.items() if t.dtype == dt] for dt in {t.dtype for t in tensors.values()}}
+    on_cuda = [t.device for t in tensors.values() if t.device.type == "cuda"]
+    flats = {}
+    if on_cuda:
+        side = torch.cuda.Stream(on_cuda[0])
+        side.wait_stream(torch.cuda.current_stream(on_cuda[0]))
+        with torch.cuda.stream(side):
+            for dt, names in groups.items():
+                dev_flat = torch.cat([tensors[n].detach().reshape(-1) for n in names])
+                flats[dt] = torch.empty(dev_flat.shape, dtype=dt, pin_memory=True)
+                flats[dt].copy_(dev_flat, non_blocking=True)
+                del dev_flat  # (freed on the side stream, which alone used it)
+        side.synchronize()
+    else:
+        flats = {dt: torch.cat([tensors[n].detach().reshape(-1) for n in names]).cpu() for dt, names in groups.items()}
+    for dt, names in groups.items():
+        for n, piece in zip(names, flats[dt].split([tensors[n].numel() for n in names])):
             out[n] = piece.view(tensors[n].shape).clone()
     return dict(sorted(out.items()))
 

@@ -118,14 +118,17 @@ def cmd_stage(args) -> None:
     elif name == "evaluate":
         train.ensure_policy(sess, sess.cfg.train.updates)
         evaluate.main(sess)
+    elif name == "export" and args.verl is not None:
+        from .verl import bundle, sizing
+
+        # verl continues the run from its last published update (a warm start of the rest): only
+        # policy 0 may need publishing first
+        sizing.size(sess.cfg, bundle.cluster_of(args))  # weight-free: bad numbers fail before any model loads
+        train.ensure_policy(sess, bundle.published(sess))
+        bundle.main(sess, args.verl, args)
     elif name == "export":
         train.ensure_policy(sess, sess.cfg.train.updates)
-        if args.verl is not None:
-            from .verl import bundle
-
-            bundle.main(sess, args.verl)
-        else:
-            export.main(sess, args.out)
+        export.main(sess, args.out)
     else:  # one step: the earlier steps are published first
         train.ensure_policy(sess, k - 1)
         d = rollout.run(sess, k)
@@ -222,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="export: output dir (default artifacts/export/RUN)")
     p.add_argument("--verl", type=Path, metavar="OUT", help="export: write a verl 0.8 bundle to OUT instead")
     p.add_argument("--plan", type=Path, help="the config of a plan.json from `opd plan --profile`")
+    from .verl.cli import bundle_arguments  # export --verl: the cluster it is sized for (--gpus ...)
+
+    bundle_arguments(p)
     p.set_defaults(fn=cmd_stage)
     p = with_cfg(sub.add_parser("tooleval", help="greedy held-out tool-use episodes of one policy (env.name set)"))
     p.add_argument("--step", type=int, help="the policy version (default train.updates)")

@@ -10,7 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
-from . import files, models
+from . import files, models, reproducible
 from .errors import UserError
 from .session import Session
 from .store import fault, write_json
@@ -46,7 +46,7 @@ def _export(sess: Session, pol: Path, final: str, out: Path) -> None:
     files.rebase_adapter(tmp / "adapter", "../base")  # relative to the adapter dir
     sums = {str(p.relative_to(tmp)): files.sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
     write_json(tmp / "manifest.json", {
-        "run": cfg.run, "versions": models.env_versions(), "device": sess.device.type,
+        "run": cfg.run, "versions": models.env_versions(), "stack": reproducible.stack(), "device": sess.device.type,
         "dtype": str(sess.dtype), "student": cfg.student.name, "teacher": cfg.teacher.name,
         "digests": {"prepared": sess.prepared, "initial_policy": sess.policy_digest(0), "final_policy": final,
                     "steps": {k: {"rollout": sess.rollout_digest(k), "score": sess.score_digest(k),

@@ -45,6 +45,22 @@ def pack(prompts: list[list[int]], responses: list[list[int]], masks: list[list[
     return Packed(ids.to(device), attn.to(device), t(rows), t(cols), t(targets), mask.to(device), offsets)
 
 
+def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Device -> host with one synchronisation for all of them: each is copied into pinned memory
+    without blocking, then the stream is waited for once (a blocking `.cpu()` waits per tensor).
+    CPU tensors come back as they are (as `.cpu()` returns them)."""
+    dev = [t for t in tensors if t.device.type != "cpu"]
+    if not dev:
+        return tensors
+    out = tuple(t if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                for t in tensors)
+    for o, t in zip(out, tensors):
+        if o is not t:
+            o.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(dev[0].device).synchronize()
+    return out
+
+
 def base_of(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 

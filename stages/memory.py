@@ -41,8 +41,10 @@ def limit_process(vram_gib: float | None, device: torch.device) -> None:
     past that budget, so a 16 GiB plan is tested as a 16 GiB card (real OOMs, real retries)."""
     if vram_gib is None or device.type != "cuda":
         return
-    total = torch.cuda.get_device_properties(device.index or 0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, vram_gib * GIB / total), device)
+    # "cuda" names no index; the allocator's fraction is per device and wants one
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, vram_gib * GIB / total), index)
 
 
 # ---- shared backbone: the student's base with its LoRA disabled ----

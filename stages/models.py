@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -227,6 +229,26 @@ def load(model_dir: Path, mcfg: ModelCfg, device: torch.device, dtype: torch.dty
     return model
 
 
+@contextmanager
+def peft_wrap_quietly():
+    """PEFT (0.21) wraps a model after reading `model.is_gradient_checkpointing`, an alias that
+    transformers 5 deprecates with a FutureWarning on every read; the read is PEFT's, not ours, so
+    only that one message is silenced, only around the wrap."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each layer's activations in backward (non-reentrant): transformers 5 names it
+    `activation_checkpointing_enable` (the old `gradient_checkpointing_enable` warns), 4.x the old way."""
+    kw = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+
+
 def add_lora(model, lcfg: LoraCfg, seed: int):
     from peft import LoraConfig, get_peft_model
 
@@ -234,7 +256,8 @@ def add_lora(model, lcfg: LoraCfg, seed: int):
     cfg = LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
                      target_modules=list(lcfg.target_modules), bias="none", task_type="CAUSAL_LM")
     try:
-        return get_peft_model(model, cfg)
+        with peft_wrap_quietly():
+            return get_peft_model(model, cfg)
     except ValueError as e:
         raise UserError(f"key 'lora.target_modules': {str(e).splitlines()[0]}") from None
 

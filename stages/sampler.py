@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .lmhead import to_host as _to_host
+
 SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -215,12 +217,15 @@ class Engine:
         if self.use_graphs:
             P = -(-P // 16) * 16  # bucket the prompt length so graphs are reused across batches
         L = P + max_new
-        pad_len = torch.tensor([P - len(p) for p in prompts], device=dev)  # left padding
-        ids = torch.full((B, P), pad, dtype=torch.long, device=dev)
+        # inputs are built on the host and sent without blocking (a blocking copy per prompt row
+        # would wait for the device each time)
+        pad_len = torch.tensor([P - len(p) for p in prompts]).to(dev, non_blocking=True)  # left padding
+        ids = torch.full((B, P), pad, dtype=torch.long)
         for b, p in enumerate(prompts):
-            ids[b, P - len(p):] = torch.tensor(p, device=dev)
+            ids[b, P - len(p):] = torch.tensor(p)
+        ids = ids.to(dev, non_blocking=True)
         g = torch.Generator(device="cpu").manual_seed(seed)
-        u = torch.rand(max_new, B, generator=g).to(dev)  # [N, B] one uniform per draw
+        u = torch.rand(max_new, B, generator=g).to(dev, non_blocking=True)  # [N, B] one uniform per draw
 
         shape = (W["n_layers"], B, W["n_kv"], L, W["head_dim"])
         ck = torch.zeros(shape, dtype=W["dtype"], device=dev)
@@ -237,7 +242,7 @@ class Engine:
         tok, lp = _pick(logits, u[0], temperature, top_p, greedy, block if min_new > 0 else None, eos)
 
         st = {  # static state the decode step reads and updates in place
-            "tok": tok.clone(), "slot": torch.tensor([P], device=dev), "step": torch.tensor([1], device=dev),
+            "tok": tok.clone(), "slot": torch.full((1,), P, device=dev), "step": torch.full((1,), 1, device=dev),
             "done": tok == eos, "out": torch.full((B, max_new), pad, dtype=torch.long, device=dev),
             "lp": torch.zeros(B, max_new, device=dev), "u": u, "ck": ck, "cv": cv, "pad_len": pad_len,
             "keys": keys,
@@ -264,7 +269,8 @@ class Engine:
         run = self._graph(step, st, (B, P, max_new, temperature, top_p, greedy, min_new)) \
             if self.use_graphs else step
         for i in range(1, max_new):
-            if i % 8 == 0 and bool(st["done"].all()):  # one host sync per 8 steps
+            # one host sync per 8 steps, and none while min_new keeps every sequence going
+            if i % 8 == 0 and i > min_new and bool(st["done"].all()):
                 break
             run()
         done = st["done"]
@@ -272,7 +278,7 @@ class Engine:
         is_eos = out == eos
         first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full((B,), max_new, device=dev))
         lengths = torch.where(done, first + 1, torch.full_like(first, max_new))
-        return Rollout(out.cpu(), lps.float().cpu(), lengths.cpu(), done.cpu())
+        return Rollout(*_to_host(out, lps.float(), lengths, done))  # one sync for all four
 
     def _graph(self, step, st, key):
         """Capture `step` once per (batch, prompt bucket, length, sampling settings); replay after."""
@@ -304,6 +310,14 @@ class Engine:
         return g["graph"].replay
 
 
+def _cache_kwarg(model) -> str:
+    """The forward's KV-cache argument (and output field): `cache` in transformers 5 (its old name
+    `past_key_values` warns and goes in 5.40), `past_key_values` in the 4.x releases pyproject allows."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(_base(model).forward).parameters else "past_key_values"
+
+
 def hf_generate(model, prompts, max_new, *, eos, pad, seed, temperature=1.0, top_p=1.0, greedy=False,
                 min_new=0) -> Rollout:
     """Fallback: transformers forward with a dynamic cache (quantized bases, other architectures)."""
@@ -316,29 +330,33 @@ def hf_generate(model, prompts, max_new, *, eos, pad, seed, temperature=1.0, top
         am[b, P - len(p):] = 1
     g = torch.Generator(device="cpu").manual_seed(seed)
     u = torch.rand(max_new, B, generator=g).to(dev)
-    out = torch.full((B, max_new), pad, dtype=torch.long)
-    lps = torch.zeros(B, max_new)
+    # tokens and log-probs stay on the device (one transfer at the end); the all-finished check
+    # syncs once per 8 steps: steps after every row finished write pad / 0, what the buffers hold
+    out = torch.full((B, max_new), pad, dtype=torch.long, device=dev)
+    lps = torch.zeros(B, max_new, device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     past, cur, pos = None, ids, (am.cumsum(-1) - 1).clamp_min(0)
+    key = _cache_kwarg(model)
     with torch.no_grad():
         for i in range(max_new):
-            o = model(input_ids=cur, attention_mask=am, position_ids=pos, past_key_values=past, use_cache=True)
-            past = o.past_key_values
+            o = model(input_ids=cur, attention_mask=am, position_ids=pos, use_cache=True, **{key: past})
+            past = getattr(o, key)
             blk = torch.full((B,), i < min_new, device=dev) if min_new > 0 else None
             t, l = _pick(o.logits[:, -1], u[i], temperature, top_p, greedy, blk, eos)
             t = torch.where(done, torch.full_like(t, pad), t)
             l = torch.where(done, torch.zeros_like(l), l)
-            out[:, i], lps[:, i] = t.cpu(), l.float().cpu()
+            out[:, i], lps[:, i] = t, l.float()
             done |= t == eos
-            if bool(done.all()):
+            if (i + 1) % 8 == 0 and i + 1 > min_new and bool(done.all()):
                 break
             cur = t[:, None]
             am = torch.cat([am, torch.ones(B, 1, dtype=am.dtype, device=dev)], 1)
             pos = pos[:, -1:] + 1
+    out, lps, done = _to_host(out, lps, done)
     is_eos = out == eos
     first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full((B,), max_new))
-    lengths = torch.where(done.cpu(), first + 1, torch.full_like(first, max_new))
-    return Rollout(out, lps, lengths, done.cpu())
+    lengths = torch.where(done, first + 1, torch.full_like(first, max_new))
+    return Rollout(out, lps, lengths, done)
 
 
 def make(model, use_graphs: bool):

@@ -58,12 +58,13 @@ def run(sess: Session, k: int) -> Path:
 
         with phase(sess.device, state, tokens=int(ps.targets.numel())), torch.no_grad():
             lp, ids, tlp, ent = memory.chunk_retry(sess, "score", k, state, attempt)
-        if not torch.isfinite(lp).all() or (kk and not torch.isfinite(tlp).all()):
+        lp, ids, tlp, ent = (t.numpy() for t in lmhead.to_host(lp, ids, tlp, ent))  # one sync for all four
+        if not np.isfinite(lp).all() or (kk and not np.isfinite(tlp).all()):
             raise UserError(f"score step {k}: teacher {cfg.teacher.name!r} gives NaN/inf log-probs (its weights?); "
                             "nothing published")
         # back onto every response position; unselected ones were never scored: NaN (ids -1)
-        lp, ent = _spread(lp.cpu().numpy(), sel, np.nan), _spread(ent.cpu().numpy(), sel, np.nan)
-        ids, tlp = _spread(ids.cpu().numpy().astype(np.int32), sel, -1), _spread(tlp.cpu().numpy(), sel, np.nan)
+        lp, ent = _spread(lp, sel, np.nan), _spread(ent, sel, np.nan)
+        ids, tlp = _spread(ids.astype(np.int32), sel, -1), _spread(tlp, sel, np.nan)
         offs = np.array(p.offsets + [len(lp)], dtype=np.int32)
         lst = lambda flat: pa.ListArray.from_arrays(pa.array(offs), flat)  # noqa: E731  per-row lists
         cols = {"uid": ro.column("uid"), "teacher_logprobs": lst(pa.array(lp.astype(np.float32))),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from . import adapters, identity, memory, models, plan, sampler
+from . import adapters, identity, memory, models, plan, reproducible, sampler
 from .config import Config
 from .errors import UserError
 from .store import Store, link, seed_of, write_json
@@ -29,8 +29,9 @@ class Session:
         self.run_dir = Path(cfg.artifacts) / "runs" / cfg.run
         self.device = models.resolve_device(cfg.runtime.device)
         self.dtype = models.resolve_dtype(cfg.runtime.dtype, self.device)
-        if cfg.runtime.threads:
-            torch.set_num_threads(cfg.runtime.threads)
+        # Always an explicit count (the default: torch's own): it also turns MKL's dynamic threading
+        # off, one of MKL's conditions for reproducible results (stages/reproducible.py).
+        torch.set_num_threads(cfg.runtime.threads or torch.get_num_threads())
         self._prepared: dict | None = None
         self._chain: identity.Chain | None = None
         self._student = self._teacher = self._engine = self._tok = None
@@ -49,7 +50,7 @@ class Session:
             _ = self.placement  # decided (or refused) before any weights load
             base = models.load(self.model_dir("student"), self.cfg.student, self.device, self.dtype)
             if self.cfg.train.activation_checkpointing:  # only active in train() mode, i.e. the update
-                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                models.enable_activation_checkpointing(base)
             self._student = models.add_lora(base, self.cfg.lora, seed_of(self.init_digest()))
         self._on_device("student")
         return self._student
@@ -186,8 +187,14 @@ class Session:
 
     def runtime_slice(self) -> dict:
         s = {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch.")}
-        if self.device.type == "cpu":  # CPU kernels may split reductions by thread count: part of the bytes
-            s["threads"] = torch.get_num_threads()
+        if self.device.type == "cpu":
+            # MKL's reproducibility mode decides the CPU bytes; under its strict mode the thread
+            # count does not (1 and 2 threads give identical runs), under any other mode it may
+            m = reproducible.check()
+            if m != "none":  # (no key without MKL: those digests are what they were)
+                s["mkl_cbwr"] = m
+            if not reproducible.thread_independent(m):
+                s["threads"] = torch.get_num_threads()
         return s
 
     # ---- digest chain (computed from the stages' declarations: stages/identity.py) ----

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import xxhash
 
 from .errors import UserError
+from .reproducible import stack
 
 MANIFEST = "manifest.json"
 
@@ -244,6 +245,9 @@ class Store:
             self.wait(d)
 
     def _seal(self, tmp: Path, stage: str, dig: str) -> None:
+        st = tmp / "state.json"
+        if st.is_file():  # which stack computed these bytes: a record, never part of the identity
+            write_json(st, {**json.loads(st.read_text()), "stack": stack()})
         paths = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
         for p in paths:
             with open(p, "rb+") as f:

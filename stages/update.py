@@ -44,16 +44,20 @@ def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch
     count in the loss; the aggregation treats them as the response mask."""
     cfg, dev = sess.cfg, sess.device
     ob = objectives.get(cfg.objective.name)
+    # host inputs go to the device without blocking (a blocking copy waits for the device, and
+    # after the backbone forward is queued it would stall the host until that forward finishes)
     # offset j of each packed position within its row's response
-    j = torch.arange(p.rows.numel(), device=dev) - torch.tensor(p.offsets, device=dev)[p.rows]
+    j = torch.arange(p.rows.numel(), device=dev) - torch.tensor(p.offsets).to(dev, non_blocking=True)[p.rows]
     mask = p.mask  # [B, R]
     if keep is not None and not keep.all():
-        kt = torch.as_tensor(keep, device=dev)
+        kt = torch.as_tensor(keep).to(dev, non_blocking=True)
         mask = p.mask.clone()
         mask[p.rows[~kt], j[~kt]] = 0
         p, j, sample_lp = batch.subset(p, kt), j[kt], sample_lp[kt]
         sc = {name: v[keep] for name, v in sc.items()}
         advantages = advantages[kt] if advantages is not None else None
+    # teacher arrays move to the device once, before the forward is queued
+    sc = {name: torch.as_tensor(v).to(dev, non_blocking=True) for name, v in sc.items() if v is not None}
     w = objectives.agg_weights(mask, cfg.objective.loss_agg_mode)  # [B, R]
     wpos = w[p.rows, j]  # [n]: weight of each position (row b, offset j within its response)
     h = lmhead.hidden(student, p)  # [n, H], graph through the backbone (LoRA)
@@ -64,8 +68,7 @@ def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch
     if "full" in ob.NEEDS:  # a full teacher row per token is too big to store: recompute it here, chunked
         with torch.no_grad():
             h_t, head_t = lmhead.hidden(sess.teacher(), p), lmhead.head_weight(sess.teacher())  # [n, H]
-    # teacher arrays move to the device once; sums stay on the device (one sync at the end)
-    sc = {name: torch.as_tensor(v, device=dev) for name, v in sc.items() if v is not None}
+    # sums stay on the device (one transfer at the end)
     loss_sum = torch.zeros((), device=dev)
     diag_sums: dict[str, torch.Tensor] = {}
     for c in lmhead.chunks(p.rows.numel(), chunk or cfg.train.chunk):
@@ -88,9 +91,12 @@ def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch
         del logits, ch, per_tok, loss
     if leaf.grad is not None:
         h.backward(leaf.grad)  # the single backward through the backbone
-    n_tok = float(mask.sum().clamp_min(1))
-    tot = {"loss": float(loss_sum)}
-    tot.update({k: float(v) / n_tok for k, v in diag_sums.items()})
+    names = list(diag_sums)
+    # one transfer for every scalar (float32 values, divided on the host as before)
+    vals = torch.stack([loss_sum, mask.sum().clamp_min(1), *(diag_sums[k] for k in names)]).tolist()
+    n_tok = vals[1]
+    tot = {"loss": vals[0]}
+    tot.update({k: v / n_tok for k, v in zip(names, vals[2:])})
     return tot
 
 
@@ -154,15 +160,16 @@ def run(sess: Session, k: int) -> Path:
             if not np.isfinite(stats["loss"]):
                 raise UserError(f"update step {k}: loss is {stats['loss']}; stopped before publishing policy {k}")
             gn = torch.nn.utils.clip_grad_norm_([q for _, q in named], cfg.optim.max_grad_norm or float("inf"))
-            if not torch.isfinite(gn):
-                raise UserError(f"update step {k}: gradient norm is {float(gn)}; stopped before publishing")
+            gn = float(gn)  # the phase's one more sync: the step must not run on a non-finite gradient
+            if not np.isfinite(gn):
+                raise UserError(f"update step {k}: gradient norm is {gn}; stopped before publishing")
             opt.step()
         student.eval()
         t_r = time.perf_counter()
         if sess.adapter_changed(dig):  # the resident student now holds policy k; CUDA: engine refreshed in place
             io["engine_refresh"] = round(time.perf_counter() - t_r, 4)  # (CPU drops it; the next rollout builds it)
         sess.optimizer = (dig, opt, named)  # ...and the resident AdamW its moments (no reload next step)
-        state.update({k2: round(v, 6) for k2, v in stats.items()}, grad_norm=round(float(gn), 6))
+        state.update({k2: round(v, 6) for k2, v in stats.items()}, grad_norm=round(gn, 6))
         state["kl"] = state["loss"] if cfg.objective.name == "forward_kl_topk" else None
 
         def rest(tmp: Path) -> None:  # the writes: on the publish thread under background publishing

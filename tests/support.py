@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import stages  # noqa: F401  (before torch: it sets MKL_CBWR, which MKL reads once; stages/reproducible.py)
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,6 +23,12 @@ TINY += TOKENIZER
 # torch's intra-op thread count as this test process started (tests/conftest.py restores it after
 # each test: in-process sessions may set runtime.threads, and it is part of CPU stage digests)
 DEFAULT_THREADS = torch.get_num_threads()
+
+
+def seeds(ci: int = 1) -> list[int]:
+    """Seeds for a numerical test's random inputs: `ci` of them by default (CI stays fast), or as many
+    as OPD_TEST_SEEDS says (benchmarks/numerics_sweep.py runs 20 under each CPU capability)."""
+    return list(range(int(os.environ.get("OPD_TEST_SEEDS", ci))))
 
 
 

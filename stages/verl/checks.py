@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from ..errors import UserError
-from ..models import tokenizer_fingerprint
+from ..models import peft_wrap_quietly, tokenizer_fingerprint
 from ..prompts import prompt_ids
 from .data import read_verl_parquet
 
@@ -29,9 +29,9 @@ def _fail(detail: str) -> dict:
     return {"ok": False, "detail": detail}
 
 
-def run_all(tmp: Path, out: Path, overrides: list[str], cfg, prepared: dict) -> dict:
-    local = [o.replace(str(out), str(tmp)) for o in overrides]  # files are still in the temp dir
-    return {"verl_config": verl_config(local), "forward": forward(tmp, cfg),
+def run_all(tmp: Path, overrides: list[str], cfg, prepared: dict) -> dict:
+    """`overrides` with paths absolute under `tmp` (the bundle before its rename)."""
+    return {"verl_config": verl_config(overrides), "forward": forward(tmp, cfg),
             "tokenizer": tokenizer(tmp, prepared), "parquet": parquet(tmp, cfg)}
 
 
@@ -97,7 +97,8 @@ def forward(tmp: Path, cfg) -> dict:
         rows = read_verl_parquet(str(tmp / "data" / "train.parquet"), cfg.data.prompt_key)
         ids = prompt_ids(tok, rows.column(cfg.data.prompt_key)[0].as_py(), cfg.data)
         base = AutoModelForCausalLM.from_pretrained(tmp / "base", dtype=torch.float32)
-        model = PeftModel.from_pretrained(base, tmp / "adapter").eval()
+        with peft_wrap_quietly():
+            model = PeftModel.from_pretrained(base, tmp / "adapter").eval()
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits  # [1, T, V]
         if logits.shape[:2] != (1, len(ids)) or not torch.isfinite(logits).all():

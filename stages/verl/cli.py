@@ -8,7 +8,8 @@
     opd data sample --format verl-parquet --out FILE [--rows N] [overrides]
 
 `opd plan` without --profile is the weight-free memory plan (stages/plan.py); with --profile it maps
-the verl config first, then plans memory. The verl bundle is `opd stage export --verl OUT`.
+the verl config first, then plans memory. The verl bundle is `opd stage export --verl OUT [--gpus N
+--nodes M --teacher-gpus T --teacher-tp K --gpu-gib G]` (stages/cli.py; its options: bundle_arguments).
 """
 from __future__ import annotations
 
@@ -99,6 +100,18 @@ def cmd_data(args) -> None:
         raise UserError(f"--format {args.format!r}: expected verl-parquet")
     out = data.sample(config.from_args(args.params, args.overrides), args.rows, Path(args.out))
     print(f"wrote {out} ({args.rows} rows, verl schema)")
+
+
+def bundle_arguments(p) -> None:
+    """The cluster a verl bundle is sized for (stages/verl/sizing.py): `opd stage export --verl`."""
+    g = p.add_argument_group("verl bundle sizing (with --verl)")
+    g.add_argument("--gpus", type=int, metavar="N", help="GPUs per node (default 2)")
+    g.add_argument("--nodes", type=int, metavar="M", help="nodes (default 1)")
+    g.add_argument("--teacher-gpus", type=int, metavar="T", help="of the N x M GPUs, how many serve the teacher "
+                   "(default 1; the rest train and sample the student)")
+    g.add_argument("--teacher-tp", type=int, metavar="K", help="GPUs per teacher replica (default: the fewest "
+                   "that hold it)")
+    g.add_argument("--gpu-gib", type=float, metavar="G", help="memory per GPU the plan sizes for (default 80)")
 
 
 def _plan_arguments(p) -> None:

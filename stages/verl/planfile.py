@@ -35,7 +35,7 @@ def content_digest(plan: dict) -> str:
     return hashlib.sha256(canonical({k: v for k, v in plan.items() if k != "digest"})).hexdigest()
 
 
-def memory_plan(cfg) -> Optional[dict]:
+def memory_plan(cfg) -> dict:
     """The weight-free memory plan of `cfg` (stages/plan.py)."""
     return memory_planner.estimate(cfg)
 

@@ -1,0 +1,59 @@
+"""Side installs for the verl bundle tests: exact pins, --no-deps, into a cache dir outside the venv's
+site-packages, put first on a subprocess's PYTHONPATH (torch, numpy, peft, ... still come from the venv).
+
+    transformers-4.57   what verl 0.8.0 runs on: its vLLM extra pins vllm<=0.12, which needs transformers<5
+    verl-runtime        the imports `python -m verl.trainer.main_ppo` makes beyond the conformance extra
+
+Created on first use (one pip call each, from PyPI), or up front by `python tests/verl/side.py` (install.sh
+test does). OPD_SIDE_DIR moves the cache (default ~/.cache/opd-stages/side).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+SIDE = {
+    "transformers-4.57": ["transformers==4.57.6", "tokenizers==0.22.2", "huggingface_hub==0.36.2"],
+    "verl-runtime": ["torchdata==0.11.0", "cachetools==8.0.2", "fastapi==0.165.0", "starlette==1.10.0",
+                     "uvicorn==0.54.0", "opentelemetry-api==1.45.2"],
+}
+
+
+def side_dir(name: str) -> Path:
+    """The installed side dir for SIDE[name] (installing it if needed); RuntimeError naming pip's error."""
+    pins = SIDE[name]
+    root = Path(os.environ.get("OPD_SIDE_DIR") or Path.home() / ".cache" / "opd-stages" / "side")
+    d = root / f"{name}-{hashlib.sha256(' '.join(pins).encode()).hexdigest()[:12]}"
+    if (d / ".complete").is_file():
+        return d
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{name}.lock", "a") as lock:  # two test processes: one installs, the other waits
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (d / ".complete").is_file():
+            return d
+        tmp = root / f".{d.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+                            "--target", str(tmp), *pins], capture_output=True, text=True)
+        if r.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(f"pip install --target {tmp} {' '.join(pins)} failed: {r.stderr.strip()[-500:]}")
+        (tmp / ".complete").write_text("\n".join(pins) + "\n")
+        os.replace(tmp, d)
+    return d
+
+
+def env_with(name: str, **extra: str) -> dict:
+    """os.environ with SIDE[name]'s dir first on PYTHONPATH."""
+    path = os.pathsep.join(p for p in (str(side_dir(name)), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", **extra}
+
+
+if __name__ == "__main__":
+    for n in SIDE:
+        print(f"{n}: {side_dir(n)}")

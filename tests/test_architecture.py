@@ -22,7 +22,7 @@ PIPELINE = {"stages.prepare", "stages.rollout", "stages.score", "stages.update",
 DRIVER = "stages.train"
 SESSION = "stages.session"
 TOOLS = {"stages.cli", "stages.report", "stages.inspection", "stages.doctor", "stages.benchmark",
-         "stages.benchmark_report", "stages.probe", "stages.planview", "stages.dvcyaml"}
+         "stages.benchmark_report", "stages.probe", "stages.planview", "stages.dvcyaml", "stages.report_html"}
 
 
 def _cycles(g: dict[str, set[str]]) -> list[list[str]]:

@@ -157,6 +157,10 @@ _ONE_ROUNDING = {A.add.Tensor, A.sub.Tensor, A.mul.Tensor, A.div.Tensor, A.rsub.
                  A.sqrt.default, A.scatter_add.default, A.index_add.default, A.square.default,
                  A.index_put.default}  # scatter_add/index_add/index_put: exact unless indices repeat; one u if they do
 _TRANSC = {A.exp.default, A.log.default, A.expm1.default, A.log1p.default, A.cos.default, A.sin.default}
+# ops whose derivative has a pole (log, 1/x, sqrt at 0): an untaken torch.where branch through them can
+# produce 0 * inf = NaN adjoints
+_POLES = {A.log.default, A.log1p.default, A.div.Tensor, A.reciprocal.default, A.sqrt.default, A.rsqrt.default,
+          A.pow.Tensor_Scalar, A.expm1.default, A.exp.default, A.xlogy.Tensor}
 _INPLACE = {A.logical_and_.default: A.logical_and.default, A.masked_fill_.Scalar: A.masked_fill.Scalar,
             A.add_.Tensor: A.add.Tensor, A.mul_.Tensor: A.mul.Tensor}
 
@@ -400,9 +404,7 @@ def _interpret(gm, inputs, rounded_inputs):
             return {k: plain(v) for k, v in x.items()}
         return x.detach() if isinstance(x, torch.Tensor) else x
 
-    def zero_nan(g):
-        # a branch torch.where does not take still gets a zero adjoint, and its backward can turn
-        # that into 0 * inf = NaN (log1p(-1), 1/0); it does not reach the output: zero it
+    def zero_nan(g):  # such a NaN does not reach the output: zero it
         return torch.nan_to_num(g, nan=0.0, posinf=math.inf, neginf=-math.inf)
 
     # Only ops that round get an adjoint (autograd leaves where all their inputs are constants: their
@@ -424,6 +426,8 @@ def _interpret(gm, inputs, rounded_inputs):
             elif op in (A.detach.default, A.lift_fresh_copy.default) and isinstance(args[0], torch.Tensor) \
                     and args[0].requires_grad:
                 out = args[0].view_as(args[0])  # same value; rounding errors flow through a detach
+            elif op in (A.view.default, A._unsafe_view.default):  # values only: any layout will do
+                out = args[0].reshape(args[1])
             else:
                 out = op(*args, **kwargs)
                 if isinstance(out, torch.Tensor) and out.dtype == torch.float32:  # a factory's default dtype
@@ -435,13 +439,14 @@ def _interpret(gm, inputs, rounded_inputs):
             with torch.no_grad():
                 parent = plain(interp.get(node.args[0])) if node.target is operator.getitem else None
                 mag = _rule(node, out.detach(), plain(args), parent)
+            if op in _POLES:  # log1p(-1), 1/0: its backward may turn the zero adjoint of an untaken
+                for x in args:  # where-branch into NaN; the hook sits on what receives that gradient
+                    if isinstance(x, torch.Tensor) and x.requires_grad:
+                        x.register_hook(zero_nan)
             if mag is None:
-                if out.requires_grad:
-                    out.register_hook(zero_nan)
                 continue
             if not out.requires_grad:
                 out.requires_grad_(True)
-            out.register_hook(zero_nan)
             tracked.append((node, out, mag))
         elif node.op == "output":
             outs = arg(node.args[0])

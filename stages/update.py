@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from . import lmhead, memory, models, objectives, tables
 from .errors import UserError
 from .score import packed, read_rollout, subset
 from .session import Session, phase
-from .store import fault, write_json
+from .store import fault, write_bytes, write_json
 
 
 def to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -82,7 +82,7 @@ def save_optimizer(opt, named, path: Path) -> None:
     out = to_cpu(out) if out else out
     if step is not None:
         out["__step__"] = torch.as_tensor(step, dtype=torch.float32).reshape(()).cpu()
-    save_file(out, path)
+    write_bytes(path, save(out))  # (safetensors' save_file bytes, hashed as they are written)
 
 
 def save_adapter(student, out: Path, base_name: str) -> None:
@@ -93,7 +93,7 @@ def save_adapter(student, out: Path, base_name: str) -> None:
     pc = student.peft_config["default"]
     pc.base_model_name_or_path = base_name
     out.mkdir(parents=True, exist_ok=True)
-    save_file(to_cpu(get_peft_model_state_dict(student)), out / "adapter_model.safetensors", metadata={"format": "pt"})
+    write_bytes(out / "adapter_model.safetensors", save(to_cpu(get_peft_model_state_dict(student)), metadata={"format": "pt"}))
     pc.save_pretrained(out)
     # PEFT keeps target_modules as a set: its JSON order follows string hashing, which changes per
     # process. Sorted, the file is byte-reproducible.
@@ -102,7 +102,7 @@ def save_adapter(student, out: Path, base_name: str) -> None:
     if isinstance(acfg.get("target_modules"), list):
         acfg["target_modules"] = sorted(acfg["target_modules"])
     acfg["inference_mode"] = True  # what PEFT's own save_pretrained records for a saved adapter
-    cfg_file.write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
+    write_bytes(cfg_file, (json.dumps(acfg, indent=2, sort_keys=True) + "\n").encode())
 
 
 def load_scores(path: Path, topk: int) -> dict:
@@ -110,11 +110,12 @@ def load_scores(path: Path, topk: int) -> dict:
     if topk:
         need.update(topk_ids=None, topk_logprobs=None)
     t = tables.read(path, need)
-    out = {"teacher_logprobs": np.concatenate(tables.lists(t, "teacher_logprobs")),
-           "selected": np.concatenate(tables.lists(t, "selected", np.int8)).astype(bool)}
+    # the packed positions are the rows' lists end to end: one flat array each (no split and re-join)
+    out = {"teacher_logprobs": tables.flat(t, "teacher_logprobs", np.float32),
+           "selected": tables.flat(t, "selected", np.int8).astype(bool)}
     if topk:
-        out["topk_ids"] = np.concatenate(tables.topk_lists(t, "topk_ids", topk, np.int64))
-        out["topk_logprobs"] = np.concatenate(tables.topk_lists(t, "topk_logprobs", topk, np.float32))
+        out["topk_ids"] = tables.flat(t, "topk_ids", np.int64).reshape(-1, topk)
+        out["topk_logprobs"] = tables.flat(t, "topk_logprobs", np.float32).reshape(-1, topk)
     return out
 
 
@@ -156,7 +157,9 @@ def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch
     loss_sum = torch.zeros((), device=dev)
     diag_sums: dict[str, torch.Tensor] = {}
     for c in lmhead.chunks(p.rows.numel(), chunk or cfg.train.chunk):
-        logits = F.linear(leaf[c], head).float() / T  # [c, V]: the only vocab-sized tensor, one chunk
+        logits = F.linear(leaf[c], head).float()  # [c, V]: the only vocab-sized tensor, one chunk
+        if T != 1.0:  # x / 1.0 == x (and its gradient g / 1.0 == g) exactly: at T = 1 two [c, V] passes saved
+            logits = logits / T
         ch = objectives.Chunk(
             student_logits=logits, sampled_ids=p.targets[c], old_logprobs=sample_lp[c],
             teacher_logprobs=sc["teacher_logprobs"][c] if "teacher_logprobs" in sc else None,
@@ -209,7 +212,7 @@ def run(sess: Session, k: int) -> Path:
                          cfg.objective.topk if "topk" in needs else 0)
         student = sess.use_policy(k - 1)
         p = packed(sess, ro)
-        sample_lp = torch.as_tensor(np.concatenate(tables.lists(ro, "sample_logprobs")), device=sess.device)
+        sample_lp = torch.as_tensor(tables.flat(ro, "sample_logprobs", np.float32), device=sess.device)
         keep = sc.pop("selected")
         adv = None
         if "advantages" in needs:  # task-reward advantage per trajectory, spread over its positions
@@ -269,10 +272,12 @@ def run(sess: Session, k: int) -> Path:
 
         return rest
 
-    # On CUDA the update's files (adapter + AdamW moments) are copied to the host, serialised, sealed
-    # and renamed on a worker thread while the next rollout runs; the resident student already holds
+    # The update's files (adapter + AdamW moments) are copied to the host, serialised, sealed and
+    # renamed on a worker thread while the next rollout runs; the resident student already holds
     # policy k, and the next update joins this publish before its optimizer step changes the tensors.
-    d, _ = sess.store.ensure("update", dig, produce, background=sess.background_publish)
+    # CPU too: the publish is mostly waiting for fsync (tens of ms on a busy disk, next to ~5 ms of
+    # serialising), which the next step's compute need not wait for.
+    d, _ = sess.store.ensure("update", dig, produce, background=sess.background_publish or sess.device.type == "cpu")
     return d
 
 

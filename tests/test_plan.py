@@ -104,8 +104,9 @@ def test_seed_workload_components_by_hand():
     sc = est["placements"]["resident"]["phases"]["score"]["items"]
     fwd = item(est, "score", "forward activations", role="teacher")
     assert fwd == 768 * (2 * 2048 + 3 * 8192) * 2 + 768 * 2048 * 2
-    assert est["placements"]["resident"]["phases"]["score"]["total_gib"] == pytest.approx(
-        (sum(i["bytes"] for i in sc if not i["one_at_a_time"]) + max(fwd, 3 * 256 * 49152 * 4)) / GIB, abs=1e-4)
+    # the plan reports GiB rounded to 4 decimals of integer byte counts: the same rounding, exactly
+    assert est["placements"]["resident"]["phases"]["score"]["total_gib"] == round(
+        (sum(i["bytes"] for i in sc if not i["one_at_a_time"]) + max(fwd, 3 * 256 * 49152 * 4)) / GIB, 4)
     # one score chunk: 3 fp32 [256, 49152] tensors; one loss chunk: 4
     assert item(est, "score", "logits chunk", role="teacher") == 3 * 256 * 49152 * 4
     assert item(est, "update", "loss chunk") == 4 * 256 * 49152 * 4 + 256 * 960 * 2  # + grad of [n, H]
@@ -131,7 +132,7 @@ def test_totals_are_the_sum_of_their_items():
         for ph in p.get("phases", {}).values():
             held = sum(i["bytes"] for i in ph["items"] if not i["one_at_a_time"])
             alt = max((i["bytes"] for i in ph["items"] if i["one_at_a_time"]), default=0)
-            assert ph["total_gib"] == pytest.approx((held + alt) / GIB, abs=1e-4)
+            assert ph["total_gib"] == round((held + alt) / GIB, 4)  # integer bytes, the plan's own rounding
     # quantized student: no merged copy, transformers fallback with its prompt logits
     assert est["models"]["student"]["rollout_engine"] == "transformers fallback"
     assert item(est, "rollout", "prefill logits") == 4 * 128 * 49152 * 2
@@ -164,6 +165,9 @@ def test_activation_formula_matches_autograd_saved_tensors():
     for dtype, nbytes in ((torch.float32, 4), (torch.bfloat16, 2)):
         (one, t), (two, _) = saved(dtype, 1), saved(dtype, 2)
         per = (two - one) / t
+        # Not a rounding tolerance: both sides are exact integer byte counts (no seed or CPU dependence).
+        # The formula leaves out small per-layer bookkeeping tensors (here it is 2.8% under in fp32,
+        # 1.7% in bf16); 3% is the accuracy the README states for `opd plan`.
         assert per == pytest.approx(plan.saved_per_token_layer(sh, LoraCfg(r=16), nbytes), rel=0.03), dtype
 
 
@@ -195,7 +199,9 @@ def test_shared_backbone_is_one_copy_and_auto_prefers_it():
     est = plan.estimate(cfg(*same))
     assert est["placement"]["chosen"] == "shared_backbone"
     sh, res = est["placements"]["shared_backbone"], est["placements"]["resident"]
-    assert res["peak_gib"] - sh["peak_gib"] == pytest.approx(361_821_120 * 2 / GIB, abs=1e-3)
+    # two figures each rounded to 4 decimals (<= 5e-5 off; the float64 division and subtraction add
+    # ~1e-16): their difference is within 1e-4 of the one bf16 copy of the weights it saves
+    assert abs(res["peak_gib"] - sh["peak_gib"] - 361_821_120 * 2 / GIB) <= 1e-4 + 1e-12
 
 
 @pytest.mark.parametrize("over,needle", [

@@ -142,7 +142,7 @@ def test_loss_is_token_mean_over_response_tokens(seed):
     # kept positions and 0 elsewhere: |error| <= sum_kept b_i / n + (u + u + gamma(n-1)) sum_kept |loss_i| / n
     # (the weight's rounding, the product's, the sum's in any order)
     f = head_and_loss(sess, student, p, old, sc, grad=False)
-    (ref,), (bound,) = numerics.fp32_bound(f, h, rows=h.shape[0])
+    ref, bound = numerics.fp32_bound(f, h, rows=h.shape[0])
     keep = torch.tensor([m for ms in masks for m in ms], dtype=torch.bool)
     n = int(keep.sum())
     mean = ref[keep].mean()

@@ -54,15 +54,25 @@ def test_teacher_tensor_parallel_is_the_fewest_gpus_that_hold_it():
         sizing.size(cfg, Cluster(gpus=8, nodes=1, teacher_gpus=4, teacher_tp=1, gpu_gib=3))
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--gpus", "8", "--nodes", "2", "--teacher-gpus", "4"], "4 sequences per step do not divide over the "
-     "student's 12 GPUs (2 x 8 - 4 teacher); use --teacher-gpus 12 or 14 or 15, or rollout.batch_size a multiple of 12"),
-    (["--gpus", "4", "--teacher-gpus", "4"], "--teacher-gpus 4: the cluster has 4 GPUs (1 x 4)"),
-    (["--gpus", "8", "--teacher-gpus", "4", "--teacher-tp", "3"], "--teacher-tp 3: must divide --teacher-gpus 4"),
-    (["--gpus", "0"], "--gpus 0: expected a positive integer"),
+def test_numbers_that_cannot_divide_are_one_line_exit_2(work):
+    r = opd("export", "--verl", "out", "--gpus", "8", "--nodes", "2", "--teacher-gpus", "4", *TINY, "train.updates=2",
+            cwd=work, check=False)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == ("error: rollout.batch_size x rollout.n = 4 sequences per step do not divide over the "
+                                "student's 12 GPUs (2 x 8 - 4 teacher); use --teacher-gpus 12 or 14 or 15, or "
+                                "rollout.batch_size a multiple of 12")
+    assert not (work / "out").exists() and not (work / "artifacts" / "store" / "update").exists()  # before any work
+
+
+@pytest.mark.parametrize("c,needle", [
+    (Cluster(gpus=4, teacher_gpus=4), "--teacher-gpus 4: the cluster has 4 GPUs (1 x 4)"),
+    (Cluster(gpus=8, teacher_gpus=4, teacher_tp=3), "--teacher-tp 3: must divide --teacher-gpus 4"),
+    (Cluster(gpus=0), "--gpus 0: expected a positive integer"),
+    (Cluster(gpus=3, nodes=2, teacher_gpus=4, teacher_tp=2), "no split into equal placement groups fits the nodes"),
+    (Cluster(gpus=7, teacher_gpus=1, gpu_gib=0.005), "do not fit 0.0 GiB usable per GPU"),
 ])
-def test_numbers_that_cannot_divide_are_one_line_exit_2(work, flags, needle):
-    r = opd("export", "--verl", "out", *flags, *TINY, "train.updates=2", cwd=work, check=False)
-    assert r.returncode == 2 and needle in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and not (work / "out").exists()
-    assert not (work / "artifacts" / "store" / "update").exists()  # refused before any work
+def test_refusals_name_the_numbers(c, needle):
+    cfg = config.compose([*TINY, "rollout.batch_size=2", "rollout.n=3"])
+    with pytest.raises(UserError) as e:
+        sizing.size(cfg, c)
+    assert needle in str(e.value) and "\n" not in str(e.value)

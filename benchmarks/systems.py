@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))  # cpu_peer (miniVERL recipe and launcher)
+import stages  # noqa: E402,F401  (before torch anywhere in this process: MKL's reproducibility mode)
 
 WORKLOAD_A = dict(student="smollm2-360m", teacher="smollm2-1.7b", prompts=4, prompt_tokens=128, response=64,
                   updates=8, topk=32)
@@ -96,8 +97,7 @@ def seed_store(w: dict, work: Path, tokenizer: str) -> dict:
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from stages import config, prepare, tables
-    from stages.session import Session
+    from stages import config, tables, train
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
     n_train = w["prompts"] * w["updates"]
@@ -108,7 +108,7 @@ def seed_store(w: dict, work: Path, tokenizer: str) -> dict:
     tables.write(work / "prompts.parquet", table, {"purpose": "benchmark"})
     pq.write_table(table.slice(0, n_train), work / "prompts-train.parquet")
     t = time.perf_counter()
-    prepared = prepare.run(Session(config.compose(overrides_for(w, work, tokenizer, work / "seed", "seed"))))
+    prepared = train.session(config.compose(overrides_for(w, work, tokenizer, work / "seed", "seed"))).prepared
     store = work / "seed" / "store" / "model"
     return {"materialize_random_weights_s": round(time.perf_counter() - t, 2), "prepared": dict(prepared),
             "student_dir": str(store / prepared["student"]), "teacher_dir": str(store / prepared["teacher"])}
@@ -189,9 +189,8 @@ def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from stages import config, rollout, score, train, update
-    from stages.session import Session
 
-    sess = Session(config.compose([*overrides, f"train.updates={done + 2}"]))
+    sess = train.session(config.compose([*overrides, f"train.updates={done + 2}"]))
     train.ensure_policy(sess, done + 1)  # warm: models resident, graphs captured
     k, walls = done + 2, {}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
@@ -220,7 +219,7 @@ def ours_blocks(w: dict) -> dict:
     from types import SimpleNamespace
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from stages import config, lmhead, models, sampler, update
+    from stages import adapters, config, lmhead, models, sampler, update
     from stages.config import LoraCfg
 
     def build(name, seed):
@@ -237,7 +236,7 @@ def ours_blocks(w: dict) -> dict:
     construct = time.perf_counter() - t0
     cfg = config.compose([f"objective.topk={w['topk']}", "train.chunk=1024"])
     sess = SimpleNamespace(cfg=cfg, device=torch.device("cuda"))
-    opt, named = update.make_optimizer(sess, student, None)
+    opt, named = adapters.make_optimizer(cfg.optim, student, None)
     V = student.config.vocab_size
     g = torch.Generator().manual_seed(0)
     rows = []

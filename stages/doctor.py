@@ -19,6 +19,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .errors import UserError
+
 OK, WARN, FAIL = "ok", "warn", "fail"
 # (distribution, import name, required?, why) — required ones are blockers when missing
 LIBRARIES = [
@@ -112,7 +114,6 @@ def check_quant(cfg) -> list[Check]:
 
 def check_embedded(cfg) -> Check:
     from . import models
-    from .errors import UserError
 
     # the embedded tokenizer also serves `arch:` (random-init) models
     needed = cfg is None or any(getattr(cfg, r).name == "embedded" or getattr(cfg, r).name.startswith("arch:")
@@ -143,10 +144,45 @@ def check_artifacts(artifacts: str) -> list[Check]:
     return out
 
 
+def check_reproducibility() -> list[Check]:
+    """MKL's reproducibility mode (CPU bytes independent of thread count only when strict), the
+    stack digest that every stage records, and how the installed stack differs from the lock."""
+    from . import reproducible
+    from .config import ROOT
+
+    m = reproducible.mode()
+    if m == "none":
+        out = [Check("cpu reproducibility", WARN, "torch's BLAS is not MKL: CPU results may depend on the thread "
+                                                  "count, which therefore joins CPU stage identity")]
+    elif reproducible.thread_independent(m):
+        out = [Check("cpu reproducibility", OK, f"MKL_CBWR {m}: CPU results do not depend on the thread count")]
+    else:
+        out = [Check("cpu reproducibility", WARN, f"MKL_CBWR {m} (environment: {os.environ.get('MKL_CBWR')!r}): CPU "
+                                                  "results depend on the thread count, which joins CPU stage identity; "
+                                                  f"unset MKL_CBWR or set {reproducible.MODE}")]
+    s = reproducible.stack()
+    out.append(Check("stack", OK, f"{s['digest'][:12]}: torch {s['torch']}, transformers {s['transformers']}, "
+                                  f"peft {s['peft']}, numpy {s['numpy']}, pyarrow {s['pyarrow']}; CPU {s['cpu']}"
+                                  + (f"; GPU {s['gpu']}" if s["gpu"] else "")))
+    lock = ROOT / "requirements.lock"
+    if not lock.is_file():
+        out.append(Check("lock", OK, f"no {lock.name} next to the package (not a source install): "
+                                     "versions are whatever pip resolved"))
+        return out
+    diff = reproducible.lock_differences(lock)
+    if diff:
+        what = ", ".join(f"{n} {have} (lock {want})" for n, have, want in diff)
+        out.append(Check("lock", WARN, f"{len(diff)} package(s) differ from {lock}: {what}; the same digests may "
+                                       "compute other bytes than a locked install (./install.sh installs the lock)"))
+    else:
+        n = len(reproducible.read_lock(lock))
+        out.append(Check("lock", OK, f"installed packages match {lock.name} ({n} locked)"))
+    return out
+
+
 def load_config(params: str | None, overrides: list[str]):
     """(config or None, a Check describing where it came from)."""
     from . import config
-    from .errors import UserError
 
     try:
         if params:
@@ -168,6 +204,7 @@ def run(params: str | None = None, overrides: list[str] | None = None) -> list[C
     cfg, c = load_config(params, list(overrides or []))
     checks.append(c)
     checks += check_cuda(cfg)
+    checks += check_reproducibility()
     checks += check_quant(cfg)
     checks.append(check_embedded(cfg))
     checks += check_artifacts(cfg.artifacts if cfg is not None else "artifacts")

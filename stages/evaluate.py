@@ -8,20 +8,20 @@ metrics.json in the run view (DVC metrics).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
 import torch
 
 from . import lmhead, sampler, tables
-from .prepare import prompt_ids
-from .rollout import tokenizer
+from .prompts import prompt_ids
 from .session import Session, phase
 from .store import write_json
 
 
 def greedy(sess: Session, model, engine, prompts: list[list[int]]) -> list[list[int]]:
-    tok = tokenizer(sess)
+    tok = sess.tokenizer()
     kw = dict(eos=tok.eos_token_id, pad=tok.pad_token_id or tok.eos_token_id, seed=0, greedy=True)
     out = engine.generate(prompts, sess.cfg.eval.max_new_tokens, **kw) if engine else \
         sampler.hf_generate(model, prompts, sess.cfg.eval.max_new_tokens, **kw)
@@ -44,7 +44,7 @@ def run(sess: Session) -> dict:
     dig = sess.chain.evaluate()
 
     def produce(tmp: Path) -> None:
-        tok = tokenizer(sess)
+        tok = sess.tokenizer()
         ev = tables.read(sess.store.path("prompts", sess.prepared["prompts"]) / "eval.parquet")
         prompts = [prompt_ids(tok, m, cfg.data) for m in ev.column(cfg.data.prompt_key).to_pylist()]
         state: dict = {"stage": "evaluate", "digest": dig}
@@ -70,8 +70,6 @@ def run(sess: Session) -> dict:
         write_json(tmp / "state.json", state)
 
     d, _ = sess.store.ensure("evaluate", dig, produce)
-    import json
-
     result = json.loads((d / "eval.json").read_text())
     write_json(sess.run_dir / "metrics.json", {"eval": result, "updates": K})
     return result

@@ -12,7 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
-from . import models
+from . import models, reproducible
+from .errors import UserError
 from .session import Session
 from .store import fault, write_json
 
@@ -42,12 +43,9 @@ def run(sess: Session, out: Path | None = None) -> Path:
     cfg = sess.cfg
     out = Path(out or Path(cfg.artifacts) / "export" / cfg.run)
     final = sess.policy_digest(cfg.train.updates)
-    pol = sess.store.get("update" if cfg.train.updates else "init", final)
-    if pol is None:
-        from . import train
-
-        train.ensure_policy(sess, cfg.train.updates)
-        pol = sess.store.path("update" if cfg.train.updates else "init", final)
+    pol = sess.store.get(sess.chain.policy_stage(cfg.train.updates), final)
+    if pol is None:  # the driver publishes it first (stages/train.py ensure_policy)
+        raise UserError(f"export: the final policy {final[:12]} is not in the store; run train first")
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "a") as lock:  # one exporter per dir (two runs, one view)
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
@@ -74,7 +72,7 @@ def _export(sess: Session, pol: Path, final: str, out: Path) -> None:
     (tmp / "adapter" / "adapter_config.json").write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
     files = {str(p.relative_to(tmp)): sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
     write_json(tmp / "manifest.json", {
-        "run": cfg.run, "versions": models.env_versions(), "device": sess.device.type,
+        "run": cfg.run, "versions": models.env_versions(), "stack": reproducible.stack(), "device": sess.device.type,
         "dtype": str(sess.dtype), "student": cfg.student.name, "teacher": cfg.teacher.name,
         "digests": {"prepared": sess.prepared, "initial_policy": sess.policy_digest(0), "final_policy": final,
                     "steps": {k: {"rollout": sess.rollout_digest(k), "score": sess.score_digest(k),

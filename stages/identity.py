@@ -31,7 +31,8 @@ class Stage:
 
 
 MODEL_KEYS = ("name", "revision", "init", "keep_layers", "trust_remote_code", "tokenizer")
-RUNTIME = ("runtime",)  # device, dtype and (CPU) the thread count: Session.runtime_slice
+# device, dtype, (CPU) MKL's mode and, only where it changes bytes, the thread count: Session.runtime_slice
+RUNTIME = ("runtime",)
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("tokenizer", 1, (), ("gguf",), "prepare"),
@@ -101,7 +102,7 @@ def tokenizer(gguf_hash: str) -> str:
 
 
 def model(ident: dict) -> str:
-    """A model materialised from its source; `ident` is models.identity (settings + file hashes)."""
+    """A model materialised from its source; `ident` is models.identity_of (settings + file hashes)."""
     return digest("model", STAGES["model"].version, ident, {})
 
 

@@ -20,6 +20,7 @@ import json
 import math
 from pathlib import Path
 
+from . import inspection, tables
 from .errors import UserError
 
 # Curves drawn from history.csv: (title, y label, columns). A column missing from the file, or
@@ -158,8 +159,6 @@ def _median(xs: list[float]) -> float | None:
 
 def sample_trajectories(run_dir: Path, per_step: int = 3) -> list[tuple[int, list[dict]]]:
     """The first and the last step's trajectories with the largest mean |teacher - student| gap."""
-    from . import inspection, tables
-
     steps = step_dirs(run_dir)
     steps = [d for d in steps if (d / "rollout.parquet").exists()]
     chosen = list(dict.fromkeys([steps[0], steps[-1]])) if steps else []

@@ -310,6 +310,14 @@ class Engine:
         return g["graph"].replay
 
 
+def _cache_kwarg(model) -> str:
+    """The forward's KV-cache argument (and output field): `cache` in transformers 5 (its old name
+    `past_key_values` warns and goes in 5.40), `past_key_values` in the 4.x releases pyproject allows."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(_base(model).forward).parameters else "past_key_values"
+
+
 def hf_generate(model, prompts, max_new, *, eos, pad, seed, temperature=1.0, top_p=1.0, greedy=False,
                 min_new=0) -> Rollout:
     """Fallback: transformers forward with a dynamic cache (quantized bases, other architectures)."""
@@ -328,10 +336,11 @@ def hf_generate(model, prompts, max_new, *, eos, pad, seed, temperature=1.0, top
     lps = torch.zeros(B, max_new, device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     past, cur, pos = None, ids, (am.cumsum(-1) - 1).clamp_min(0)
+    key = _cache_kwarg(model)
     with torch.no_grad():
         for i in range(max_new):
-            o = model(input_ids=cur, attention_mask=am, position_ids=pos, past_key_values=past, use_cache=True)
-            past = o.past_key_values
+            o = model(input_ids=cur, attention_mask=am, position_ids=pos, use_cache=True, **{key: past})
+            past = getattr(o, key)
             blk = torch.full((B,), i < min_new, device=dev) if min_new > 0 else None
             t, l = _pick(o.logits[:, -1], u[i], temperature, top_p, greedy, blk, eos)
             t = torch.where(done, torch.full_like(t, pad), t)

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import xxhash
 
 from .errors import UserError
+from .reproducible import stack
 
 MANIFEST = "manifest.json"
 # Files whose content is a record of how a computation went (timings, memory), not what it
@@ -301,6 +302,9 @@ class Store:
             self.wait(d)
 
     def _seal(self, tmp: Path, stage: str, dig: str) -> None:
+        st = tmp / "state.json"
+        if st.is_file():  # which stack computed these bytes: a record, never part of the identity
+            write_json(st, {**json.loads(st.read_text()), "stack": stack()})
         paths = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
         # the files' fsyncs are issued together (each one alone waits for its own journal commit; issued
         # at once, one commit mostly covers them all); all have returned before the manifest is written
@@ -341,6 +345,11 @@ def link(target: Path, at: Path) -> None:
         tmp.unlink()
     os.symlink(rel, tmp)
     os.replace(tmp, at)
+
+
+def read_state(d: Path) -> dict:
+    """A published stage's state.json (how its computation went: timings, memory, losses)."""
+    return json.loads((d / "state.json").read_text())
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+# support imports `stages` before torch (MKL's reproducibility mode must be set before MKL starts)
 from support import OPD, ROOT, DEFAULT_THREADS, TINY, opd, session  # noqa: F401  (re-exported)
 
 

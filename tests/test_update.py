@@ -10,7 +10,7 @@ import torch
 from torch.func import grad_and_value
 
 import numerics
-from stages import config, lmhead, models, objectives, update
+from stages import adapters, config, lmhead, models, objectives, update
 from stages.config import LoraCfg
 from support import seeds
 from test_sampler import tiny
@@ -159,11 +159,11 @@ def test_all_masked_batch_gives_zero_loss_and_no_nan():
 
 def test_optimizer_state_round_trips_exactly(tmp_path):
     sess, student, p, old, sc = fixture(4)
-    opt, named = update.make_optimizer(sess, student, None)
+    opt, named = adapters.make_optimizer(sess.cfg.optim, student, None)
     update.loss_and_backward(sess, student, p, old, sc)
     opt.step()
-    update.save_optimizer(opt, named, tmp_path / "opt.safetensors")
-    opt2, named2 = update.make_optimizer(sess, student, tmp_path / "opt.safetensors")
+    adapters.save_optimizer(opt, named, tmp_path / "opt.safetensors")
+    opt2, named2 = adapters.make_optimizer(sess.cfg.optim, student, tmp_path / "opt.safetensors")
     for (_, a), (_, b) in zip(named, named2):
         sa, sb = opt.state[a], opt2.state[b]
         assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
@@ -200,16 +200,16 @@ def test_background_publish_writes_the_same_bytes_on_the_publish_thread(work, mo
 
     import time
 
-    real_adapter, real_opt = update.save_adapter, update.save_optimizer
+    real_adapter, real_opt = adapters.save_adapter, adapters.save_optimizer
 
     def run(tag: str, background: bool) -> dict:
         monkeypatch.setattr(Session, "background_publish", property(lambda s: background))
         threads: list[str] = []
         # a slow writer (a big adapter over PCIe): the next step's rollout and score finish before it
         # starts copying, so bytes only match if that step's optimizer step waited for it
-        monkeypatch.setattr(update, "save_adapter",
+        monkeypatch.setattr(adapters, "save_adapter",
                             lambda *a: (time.sleep(1.5 if background else 0), real_adapter(*a))[1])
-        monkeypatch.setattr(update, "save_optimizer",
+        monkeypatch.setattr(adapters, "save_optimizer",
                             lambda *a: (threads.append(threading.current_thread().name), real_opt(*a))[1])
         sess = session(work, "train.updates=3", "runtime.threads=1", f"run={tag}")
         train.run(sess)

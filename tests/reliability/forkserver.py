@@ -57,6 +57,9 @@ def child(req: dict) -> None:
 def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # first, as `opd` does: stages sets MKL_CBWR before anything imports torch (MKL reads it once, at
+    # its first call, and every child forked below inherits that MKL state)
+    import stages  # noqa: F401
     import tracer
 
     tracer.install()  # before the libraries below bind safetensors/pyarrow readers

@@ -65,8 +65,10 @@ def run(sess: Session, k: int) -> Path:
         # back onto every response position; unselected ones were never scored: NaN (ids -1)
         lp, ent = _spread(lp, sel, np.nan), _spread(ent, sel, np.nan)
         ids, tlp = _spread(ids.astype(np.int32), sel, -1), _spread(tlp, sel, np.nan)
-        offs = np.array(p.offsets + [len(lp)], dtype=np.int32)
-        lst = lambda flat: pa.ListArray.from_arrays(pa.array(offs), flat)  # noqa: E731  per-row lists
+        # per-row lists over the flat per-position buffers: one offsets array, each values array made
+        # once from its contiguous numpy buffer
+        offs = pa.array(np.array(p.offsets + [len(lp)], dtype=np.int32))
+        lst = lambda flat: pa.ListArray.from_arrays(offs, flat)  # noqa: E731
         cols = {"uid": ro.column("uid"), "teacher_logprobs": lst(pa.array(lp.astype(np.float32))),
                 "teacher_entropy": lst(pa.array(ent.astype(np.float32))),
                 "selected": lst(pa.array(sel.astype(np.int8)))}

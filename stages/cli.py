@@ -43,7 +43,11 @@ def _config(args):
 def _session(args):
     from .session import Session
 
-    return Session(_config(args))
+    sess = Session(_config(args))
+    # how the config was given: a view `dvc repro` made (--params) is not silently taken over by an
+    # `opd run` with other overrides, nor the reverse (stages/runview.py)
+    sess.origin = "params" if getattr(args, "params", None) else "overrides"
+    return sess
 
 
 def cmd_params(args) -> None:

@@ -42,6 +42,9 @@ def measure(sess: Session, student, prompts, responses) -> dict:
 def run(sess: Session) -> dict:
     cfg, K = sess.cfg, sess.cfg.train.updates
     dig = sess.chain.evaluate()
+    from . import runview
+
+    runview.check_same_run(sess, "evaluating it")  # metrics.json describes the view's run, no other
 
     def produce(tmp: Path) -> None:
         tok = tokenizer(sess)
@@ -69,11 +72,12 @@ def run(sess: Session) -> dict:
         tables.write(tmp / "samples.parquet", pa.Table.from_pylist(rows), {"digest": dig})
         write_json(tmp / "state.json", state)
 
-    d, _ = sess.store.ensure("evaluate", dig, produce)
+    d, computed = sess.store.ensure("evaluate", dig, produce)
     import json
 
     result = json.loads((d / "eval.json").read_text())
     write_json(sess.run_dir / "metrics.json", {"eval": result, "updates": K})
+    sess.evaluate_reused = not computed  # for the one line main prints
     return result
 
 
@@ -82,5 +86,6 @@ def main(sess: Session) -> dict:
     t = r["initial"]["on_teacher_text"]["kl"], r["final"]["on_teacher_text"]["kl"]
     o = r["initial"]["on_own_text"]["kl"], r["final"]["on_own_text"]["kl"]
     print(f"evaluate: held-out KL(teacher||student) on teacher text {t[0]:.4f} -> {t[1]:.4f}; "
-          f"on own text {o[0]:.4f} -> {o[1]:.4f}")
+          f"on own text {o[0]:.4f} -> {o[1]:.4f}"
+          + (" (published by an earlier run: reused)" if getattr(sess, "evaluate_reused", False) else ""))
     return r

@@ -137,6 +137,10 @@ def run(sess: Session) -> dict:
     out = json.loads((d / "prepared.json").read_text())
     if sess.store.get("prompts", out["prompts"]) is None:  # rollout/evaluate read it: content-check it here
         _build(sess, student, teacher)  # (missing or damaged: rebuilt, to the same digest and bytes)
+    from . import runview
+
+    # before the view is touched: never half of another run
+    runview.refuse_other_origin(sess, lambda: identity.Chain(cfg, sess.runtime_slice, out).policy(cfg.train.updates))
     write_json(sess.run_dir / "prepare.json", out)
     fault("prepare.after")
     return out

@@ -42,8 +42,8 @@ FAULT_POINTS = [
     "export.before", "export.before_rename", "export.after",
 ]
 
-# history.csv columns that record how fast a step ran, not what it computed
-VOLATILE_HISTORY = ("_tokens_per_s", "_wall_s", "peak_memory_gib")
+# history.csv columns that record how fast a step ran (or whether this process ran it), not what it computed
+VOLATILE_HISTORY = ("_tokens_per_s", "_wall_s", "peak_memory_gib", "reused")
 
 
 @dataclass

@@ -115,7 +115,8 @@ def cmd_stage(args) -> None:
 
             bundle.main(sess, args.verl, args)
         else:
-            export.main(sess, args.out)
+            export.check_selection(args.overrides)
+            export.main(sess, args.out, args.merged)
 
 
 def cmd_inspect(args) -> None:
@@ -191,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     with_cfg(p)
     p.add_argument("--step", type=int)
     p.add_argument("--out", type=Path, help="export: output dir")
+    p.add_argument("--merged", action="store_true", help="export: also write merged/, a standalone model with the "
+                   "LoRA merged in (AutoModelForCausalLM, pipeline)")
     p.add_argument("--verl", type=Path, metavar="OUT", help="export: write a verl 0.8 bundle to OUT instead")
     from .verl.cli import bundle_arguments  # export --verl: the cluster it is sized for (--gpus ...)
 

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -262,6 +263,8 @@ class Store:
             json.dump({"stage": stage, "digest": dig, "files": files}, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
+        for p in [*paths, man]:  # published means immutable: no path into the store is writable
+            os.chmod(p, stat.S_IMODE(os.stat(p).st_mode) & ~0o222)
         _fsync_dir(tmp)
         fault("publish.after_manifest", tmp)
 

@@ -132,7 +132,8 @@ def cmd_export(args) -> None:
 
         bundle.main(sess, args.verl, args)
     else:
-        export.main(sess, args.out)
+        export.check_selection(args.overrides)
+        export.main(sess, args.out, args.merged)
 
 
 def cmd_data(args) -> None:
@@ -198,6 +199,8 @@ def add_commands(sub, with_cfg) -> None:
         p.add_argument("--verl", type=Path, metavar="OUT", help="write a verl 0.8 bundle to OUT instead")
         p.add_argument("--out", type=Path, help="PEFT export dir (default artifacts/export/RUN)")
         p.add_argument("--plan", type=Path, help="use the config of a plan.json (as `opd run --plan`)")
+        p.add_argument("--merged", action="store_true", help="also write merged/, a standalone model with the LoRA "
+                       "merged in")
         bundle_arguments(p)
         p.set_defaults(fn=cmd_export)
     p = sub.add_parser("data", help="data utilities")

@@ -177,9 +177,10 @@ def add_commands(sub, with_cfg) -> None:
     names = set(sub.choices)
     if "plan" in names:  # the memory planner registered `opd plan` first: extend its parser
         p = sub.choices["plan"]
-        memory_fn = p.get_default("fn")
         _plan_arguments(p)
-        p.set_defaults(fn=lambda a: cmd_plan(a) if getattr(a, "profile", None) else memory_fn(a))
+        # every `opd plan` goes through cmd_plan: without --profile it refuses --config/--set/--accept
+        # (options only a profile uses: never ignored) and runs the memory planner
+        p.set_defaults(fn=cmd_plan)
     else:
         p = sub.add_parser("plan", help="plan a run: map a verl profile config (--profile) and/or plan memory")
         _plan_arguments(p)

@@ -115,7 +115,7 @@ def cmd_stage(args) -> None:
 
             bundle.main(sess, args.verl, args)
         else:
-            export.check_selection(args.overrides)
+            export.check_selection(sess, args.overrides)
             export.main(sess, args.out, args.merged)
 
 

@@ -11,6 +11,7 @@ a link into the store, so editing an export cannot change a published file.
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -31,13 +32,27 @@ FICLONE = 0x40049409  # Linux ioctl: make dst share src's extents copy-on-write 
 TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "chat_template", "vocab", "merges", "added_tokens")
 
 
-def check_selection(overrides: list[str] | None) -> None:
-    """`opd stage export` takes the run to export (run=NAME), not a config to train: refuse others."""
-    for o in overrides or []:
+def check_selection(sess: Session, overrides: list[str] | None) -> None:
+    """`opd stage export` exports the run the view recorded: an override that disagrees with that
+    run's config would be ignored, so it is refused (one that agrees, or run=NAME, is fine)."""
+    recorded = sess.run_dir / "config.json"
+    if not overrides or not recorded.is_file():  # no run there: final_policy() says so
+        return
+    now, then = dataclasses.asdict(sess.cfg), json.loads(recorded.read_text())
+    for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
-        if key not in SELECTORS:
-            raise UserError(f"override {o!r}: export takes the run's recorded config; give only run=NAME "
-                            "(and --out DIR, --merged); to export another config, run it first under its own name")
+        if key in SELECTORS:
+            continue
+        a, b = _dotted(now, key), _dotted(then, key)
+        if a != b:
+            raise UserError(f"override {o!r}: run {sess.cfg.run!r} was trained with {key}={b!r}; export takes the "
+                            "run's recorded config (give run=NAME, or run this config first under its own name)")
+
+
+def _dotted(d: dict, key: str):
+    for part in key.split("."):
+        d = d.get(part, KeyError) if isinstance(d, dict) else KeyError
+    return d
 
 
 def _copy_file(src: Path, dst: Path) -> None:

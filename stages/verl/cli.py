@@ -132,7 +132,7 @@ def cmd_export(args) -> None:
 
         bundle.main(sess, args.verl, args)
     else:
-        export.check_selection(args.overrides)
+        export.check_selection(sess, args.overrides)
         export.main(sess, args.out, args.merged)
 
 

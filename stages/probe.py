@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from . import identity as stage_identity
+from .config import logit_temperature
 from .errors import UserError
 from .store import Store, write_json
 
@@ -85,7 +86,7 @@ def measure(cfg, est: dict) -> dict:
         h = lmhead.hidden(teacher, p)  # [n, H]
         c = slice(0, min(cfg.train.chunk, n))  # one score chunk
         lmhead.score_positions(h[c], lmhead.head_weight(teacher), p.targets[c], cfg.train.chunk, k,
-                               cfg.rollout.temperature)
+                               logit_temperature(cfg.rollout))
         del h
 
     sess.activate("student")

@@ -14,6 +14,7 @@ import pyarrow as pa
 import torch
 
 from . import rewards, sampler, tables
+from .config import logit_temperature
 from .prepare import prompt_ids
 from .session import Session, phase
 from .store import seed_of, write_json
@@ -43,8 +44,10 @@ def sample(sess: Session, student, prompt_ids: list[list[int]], max_new: int, se
            min_new: int = 0):
     """Sample with the fast engine (or the transformers fallback) for the student's current policy."""
     r, tok = sess.cfg.rollout, tokenizer(sess)
+    # temperature 0 is greedy selection (the sampler's argmax path), its log-probs untempered
     kw = dict(eos=tok.eos_token_id, pad=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-              seed=seed, temperature=r.temperature, top_p=r.top_p, greedy=greedy, min_new=min_new)
+              seed=seed, temperature=logit_temperature(r), top_p=r.top_p, greedy=greedy or r.temperature == 0,
+              min_new=min_new)
     eng = sess.engine()
     if eng is not None:
         return eng.generate(prompt_ids, max_new, **kw)

@@ -20,6 +20,13 @@ if [ "${1:-}" = test ]; then
   pip install -q -c <(echo torch==2.13.0) ray==2.60.0 tensordict==0.15.3 codetiming==1.4.0 datasets==5.2.0 \
     dill==0.4.1 pillow==13.0.0
 fi
+# verl bundle tests (tests/verl): two side installs, exact pins, --no-deps, outside the venv's site-packages
+# (tests/verl/side.py holds the pins and puts them first on a subprocess's PYTHONPATH; it also creates them
+# on first use, from PyPI; OPD_SIDE_DIR moves them from ~/.cache/opd-stages/side):
+#   transformers==4.57.6 tokenizers==0.22.2 huggingface_hub==0.36.2  (verl 0.8.0's vLLM pin needs transformers<5)
+#   torchdata==0.11.0 cachetools==8.0.2 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 opentelemetry-api==1.45.2
+#   (what `python -m verl.trainer.main_ppo` imports at startup beyond the conformance extra)
+if [ "${1:-}" = test ]; then python tests/verl/side.py; fi
 # The HTML report's test renders it in headless Chromium (Debian's package): install it where we
 # may (root with apt); elsewhere that one test is skipped and says why.
 if [ "${1:-}" = test ] && ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -245,7 +245,8 @@ OPDTrainer._run_cycle = timed
 from miniverl.cli import app
 code = 0
 try:
-    app(argv, standalone_mode=False)
+    ret = app(argv, standalone_mode=False)  # (a handled error returns its exit code)
+    code = ret if isinstance(ret, int) else 0
 except SystemExit as e:
     code = e.code if isinstance(e.code, int) else 1
 except Exception as e:
@@ -319,11 +320,18 @@ def miniverl(w: dict, work: Path, mv_python: str, student: Path, teacher: Path, 
     res["command"] = f"miniverl {' '.join(argv)}"
     proc = run_proc([mv_python, str(launcher), str(out), *argv], work, env, work / f"{name}.log", timeout)
     res["process"] = proc
-    if proc["rc"] or not out.exists():
-        res["error"] = (f"killed after {timeout} s\n" if proc.get("timed_out") else "") + tail(work / f"{name}.log")
+    def failed(why: str) -> dict:  # first line: what happened and the log's last line; then the log's tail
+        log = tail(work / f"{name}.log")
+        last = next((ln for ln in reversed(log.splitlines()) if ln.strip()), "")
+        res["error"] = f"{why}: {last.strip()[:200]}\n{log}"
         return res
+
+    if proc["rc"] or not out.exists():
+        return failed(f"killed after {timeout:.0f} s" if proc.get("timed_out") else f"exit code {proc['rc']}")
     timing = json.loads(out.read_text())
     run = work / "mvruns" / name
+    if timing.get("rc") or not timing["cycle_wall_s"] or not (run / "metrics.jsonl").exists():
+        return failed(f"no cycle ran (exit code {timing.get('rc')})")
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     cyc = [m for m in metrics if m.get("phase") == "opd_cycle"]
     opt = [m for m in metrics if m.get("phase") == "opd"]

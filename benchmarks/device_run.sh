@@ -10,6 +10,12 @@
 #   device: run(command="bash benchmarks/device_run.sh [tests|bench|all]", carry=[".whl", ".bench"])
 # The embedded GGUF model is over the carry limit, so tests take the tokenizer from .bench
 # (OPD_TEST_TOKENIZER) and the benchmark builds random-init models of the real shapes.
+# Durations seen on the H200 (2026-12-01): tests ~260 s (the byte-identity test ~110 s of it); bench:
+# seed models ~40 s, ours ~50 s, ckpt ~35 s, TRL ~50 s, miniVERL hf_reference ~4 min (22.8 s per
+# rollout), hf_cached ~1.5 min, the compiled arm unknown (never finished in its share), workload b
+# ~40 s. `all` does not fit one 600 s call: run `tests` and `bench` as two calls (bench with
+# OPD_DEADLINE_S=570 and timeout 600), or drop arms through OPD_BENCH_EXTRA.
+# OPD_BENCH_EXTRA: more systems.py options, later ones win (e.g. "--ours default --peers miniverl").
 # OPD_DEADLINE_S (default 520): seconds from this script's start by which the benchmark stops
 # starting systems (the ones skipped are recorded as such), so the call ends inside its limit.
 # At most 8 files come back from $OUT: env.txt, gpu-tests.log, gpu-replay.json, systems.log,
@@ -25,7 +31,6 @@ export PYTHONPATH=/tmp/site:$PWD OPD_TEST_TOKENIZER=$PWD/.bench/smollm2-tokenize
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
   python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1
-  echo "git $(git rev-parse HEAD 2>/dev/null || echo '?') $(git status --porcelain 2>/dev/null | grep -c . || true) changed paths"
 } >"$out/env.txt" 2>&1
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -38,7 +43,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   work=$(mktemp -d /tmp/opd-bench-XXXXXX)  # a fresh work dir: nothing of an earlier run is reused
   python3 benchmarks/systems.py --workload all --peers trl,miniverl --tokenizer .bench/smollm2-tokenizer \
     --out "$out/systems" --work "$work" --profile "$out/profile.txt" --deadline-s "$left" \
-    ${OPD_BENCH_DATE:+--date "$OPD_BENCH_DATE"} 2>&1 | tee "$out/systems.log" | tail -40
+    ${OPD_BENCH_DATE:+--date "$OPD_BENCH_DATE"} ${OPD_BENCH_EXTRA:-} 2>&1 | tee "$out/systems.log" | tail -40
   rc=$(( rc || PIPESTATUS[0] ))
 fi
 exit "$rc"

@@ -39,13 +39,12 @@ def main(argv=None) -> int:
 
     from stages import config, rollout, score, train, update
     from stages import session as session_mod
-    from stages.session import Session
     from support import TINY
 
     work = Path(tempfile.mkdtemp(prefix="opd-sync-"))
     over = [*TINY, f"runtime.device={args.device}", "runtime.threads=1", "rollout.max_new_tokens=16",
             "train.updates=2", f"artifacts={work / 'artifacts'}"]
-    sess = Session(config.compose(over))
+    sess = train.session(config.compose(over))
     train.ensure_policy(sess, 1)  # warm: models resident, engine built (graphs captured on CUDA)
 
     where = {"in": False}
@@ -100,7 +99,7 @@ def main(argv=None) -> int:
             setattr(torch.Tensor, n, fn)
         for m, p in zip(mods, saved):
             m.phase = p
-    n_params = len(sess._opt[2]) if getattr(sess, "_opt", None) else 0
+    n_params = len(sess.optimizer[2]) if sess.optimizer else 0
     result["trainable_tensors"] = n_params
     print(f"{'stage':8} {'aten::item':>10}  python reads (phase: inside the timed block; stage: the rest)")
     for name, r in result["stages"].items():

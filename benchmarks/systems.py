@@ -96,8 +96,7 @@ def seed_store(w: dict, work: Path, tokenizer: str) -> dict:
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from stages import config, prepare, tables
-    from stages.session import Session
+    from stages import config, tables, train
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
     n_train = w["prompts"] * w["updates"]
@@ -108,7 +107,7 @@ def seed_store(w: dict, work: Path, tokenizer: str) -> dict:
     tables.write(work / "prompts.parquet", table, {"purpose": "benchmark"})
     pq.write_table(table.slice(0, n_train), work / "prompts-train.parquet")
     t = time.perf_counter()
-    prepared = prepare.run(Session(config.compose(overrides_for(w, work, tokenizer, work / "seed", "seed"))))
+    prepared = train.session(config.compose(overrides_for(w, work, tokenizer, work / "seed", "seed"))).prepared
     store = work / "seed" / "store" / "model"
     return {"materialize_random_weights_s": round(time.perf_counter() - t, 2), "prepared": dict(prepared),
             "student_dir": str(store / prepared["student"]), "teacher_dir": str(store / prepared["teacher"])}
@@ -189,9 +188,8 @@ def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from stages import config, rollout, score, train, update
-    from stages.session import Session
 
-    sess = Session(config.compose([*overrides, f"train.updates={done + 2}"]))
+    sess = train.session(config.compose([*overrides, f"train.updates={done + 2}"]))
     train.ensure_policy(sess, done + 1)  # warm: models resident, graphs captured
     k, walls = done + 2, {}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
@@ -220,7 +218,7 @@ def ours_blocks(w: dict) -> dict:
     from types import SimpleNamespace
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from stages import config, lmhead, models, sampler, update
+    from stages import adapters, config, lmhead, models, sampler, update
     from stages.config import LoraCfg
 
     def build(name, seed):
@@ -237,7 +235,7 @@ def ours_blocks(w: dict) -> dict:
     construct = time.perf_counter() - t0
     cfg = config.compose([f"objective.topk={w['topk']}", "train.chunk=1024"])
     sess = SimpleNamespace(cfg=cfg, device=torch.device("cuda"))
-    opt, named = update.make_optimizer(sess, student, None)
+    opt, named = adapters.make_optimizer(cfg.optim, student, None)
     V = student.config.vocab_size
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -298,14 +296,14 @@ def trl_peer(w: dict, work: Path, python: str, seed: dict) -> dict:
 
 
 # miniVERL 0.16's rollout backends on CUDA without vLLM (not carried; its managed engine needs a
-# server): hf_reference (the default), hf_cached with rollout.compile_backend (torch.compile of the
-# cached decode backbone, CUDA only) and plain hf_cached (batched KV cache), in that order (under
-# --deadline-s the last ones are the first to go)
-MINIVERL_ARMS = (("hf_reference", "hf_reference", False), ("hf_cached+compile", "hf_cached", True),
-                 ("hf_cached", "hf_cached", False))
+# server): hf_reference (the default), hf_cached (batched KV cache) and hf_cached with
+# rollout.compile_backend (torch.compile of the cached decode backbone, CUDA only; its compile time
+# lands in the first cycle), in that order (under --deadline-s the last ones are the first to go)
+MINIVERL_ARMS = (("hf_reference", "hf_reference", False), ("hf_cached", "hf_cached", False),
+                 ("hf_cached+compile", "hf_cached", True))
 
 
-def miniverl_peer(w: dict, work: Path, python: str, seed: dict, arms: list[str], timeout: float) -> list[dict]:
+def miniverl_peer(w: dict, work: Path, python: str, seed: dict, arms: list[str], deadline: float) -> list[dict]:
     """`miniverl train` with its native recipe (benchmarks/cpu_peer.py's, here device cuda and bf16)
     on the same model dirs and train prompts, one fresh process per rollout backend."""
     import cpu_peer
@@ -318,9 +316,15 @@ def miniverl_peer(w: dict, work: Path, python: str, seed: dict, arms: list[str],
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "CPU_PEER_THREADS": str(os.cpu_count() or 1)}
     out = []
-    for arm, backend, compiled in MINIVERL_ARMS:
-        if arm not in arms:
+    todo = [a for a in MINIVERL_ARMS if a[0] in arms]
+    for i, (arm, backend, compiled) in enumerate(todo):
+        left = deadline - time.perf_counter()
+        if left < 30:
+            out.append({"name": f"miniVERL 0.16 ({arm})", "error": f"skipped: {left:.0f} s left before --deadline-s"})
             continue
+        # what is left, less ~60 s for each arm still to come (on the H200 its default arm needs ~4 min
+        # for 8 cycles, hf_cached ~1.5 min): an arm that finishes early leaves the rest to the next
+        timeout = max(30.0, left - 60.0 * (len(todo) - i - 1))
 
         def adjust(rec: dict, compiled=compiled) -> None:
             rec["run"]["name"] = "systems"
@@ -330,8 +334,11 @@ def miniverl_peer(w: dict, work: Path, python: str, seed: dict, arms: list[str],
             rec["rollout"]["compile_backend"] = compiled
 
         mw = {**w, "threads": os.cpu_count() or 1}
-        s = cpu_peer.miniverl(mw, work, python, Path(seed["student_dir"]), Path(seed["teacher_dir"]),
-                              work / "prompts-train.parquet", env, backend, adjust, arm, timeout)
+        try:
+            s = cpu_peer.miniverl(mw, work, python, Path(seed["student_dir"]), Path(seed["teacher_dir"]),
+                                  work / "prompts-train.parquet", env, backend, adjust, arm, timeout)
+        except Exception as e:  # noqa: BLE001  one arm's failure is recorded, the next arm runs
+            s = {"name": f"miniVERL 0.16 ({arm})", "error": f"{type(e).__name__}: {e}"}
         s.pop("prompt_ids_used", None)
         if "error" not in s:
             cpu_peer.summarize(s)
@@ -392,6 +399,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=("a", "b", "all"), default="all")
     ap.add_argument("--peers", default="trl,miniverl")
+    ap.add_argument("--ours", default="default,ckpt",
+                    help="our arms: default (the configuration as shipped), ckpt (activation checkpointing)")
     ap.add_argument("--miniverl-arms", default=",".join(a for a, _, _ in MINIVERL_ARMS))
     ap.add_argument("--tokenizer", required=True, help="a SmolLM2 tokenizer dir (workload a)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -438,21 +447,22 @@ def main(argv=None) -> int:
 
         def add(s) -> None:
             systems.extend(s if isinstance(s, list) else [s])
-            ours = systems[0].get("median_update_s")
+            ours = systems[0].get("median_update_s") if systems[0]["name"] == "opd-stages" else None
             wa["ratios"] = {x["name"]: round(x["median_update_s"] / ours, 2) for x in systems[1:]
                             if ours and x.get("median_update_s") and not x["name"].startswith("opd-stages")}
             save()
 
-        add(run_system(ours_pipeline, "opd-stages", deadline, 60, w, work, tok, py, args.profile))
-        # the same pipeline trading one extra forward for update-phase memory
-        add(run_system(ours_pipeline, "opd-stages-ckpt", deadline, 45, w, work, tok, py, None,
-                       ("train.activation_checkpointing=true",), "opd-stages-ckpt"))
+        ours_arms = args.ours.split(",")
+        if "default" in ours_arms:  # first: the ratios are against it
+            add(run_system(ours_pipeline, "opd-stages", deadline, 60, w, work, tok, py, args.profile))
+        if "ckpt" in ours_arms:  # the same pipeline trading one extra forward for update-phase memory
+            add(run_system(ours_pipeline, "opd-stages-ckpt", deadline, 45, w, work, tok, py, None,
+                           ("train.activation_checkpointing=true",), "opd-stages-ckpt"))
         if "trl" in peers and not args.smoke:
             add(run_system(trl_peer, "TRL 1.16 DistillationTrainer", deadline, 60, w, work, py, seed))
         if "miniverl" in peers:
             arms = [a for a in args.miniverl_arms.split(",") if a]
-            add(run_system(miniverl_peer, "miniVERL 0.16", deadline, 45 * len(arms), w, work, py, seed, arms,
-                           max(30.0, min(240.0, (deadline - time.perf_counter()) / max(1, len(arms))))))
+            add(run_system(miniverl_peer, "miniVERL 0.16", deadline, 45, w, work, py, seed, arms, deadline))
         print(json.dumps(wa, indent=1), flush=True)
     if args.workload in ("b", "all") and not args.smoke:
         result["workloads"]["b"] = {"shape": WORKLOAD_B,

@@ -34,8 +34,11 @@ from pathlib import Path
 
 import yaml
 
-from .config import ROOT, compose, to_dict
+from . import tooleval, tooluse, train
+from .benchmark_report import write
+from .config import compose, conf_dir, to_dict
 from .errors import UserError
+from .store import read_state
 
 SCHEMA = "opd-stages/tooluse-benchmark"
 SCHEMA_VERSION = 1
@@ -109,10 +112,6 @@ def load(path: str | os.PathLike) -> dict:
     return b
 
 
-def _conf_dir() -> Path:
-    return Path.cwd() / "conf" if (Path.cwd() / "conf" / "config.yaml").exists() else ROOT / "conf"
-
-
 def _leaves(d, prefix="") -> dict:
     if isinstance(d, dict):
         out = {}
@@ -132,7 +131,7 @@ def arm_overrides(b: dict, arm: dict | None, seed: int) -> list[str]:
 
 def configs(b: dict) -> dict:
     """{(arm, seed): Config}, after checking every arm differs from the base only where it declares."""
-    conf, out = _conf_dir(), {}
+    conf, out = conf_dir(), {}
     for seed in b["seeds"]:
         base = compose(arm_overrides(b, None, seed), conf)
         if base.env.name is None:
@@ -153,10 +152,6 @@ def configs(b: dict) -> dict:
 
 # ---- one (arm, seed), in its own process ----
 
-def _state(d: Path) -> dict:
-    return json.loads((d / "state.json").read_text())
-
-
 def _peak(states: list[dict]) -> float | None:
     vals = [s.get("peak_allocated_gib", s.get("peak_rss_gib")) for s in states]
     vals = [v for v in vals if v is not None]
@@ -164,32 +159,28 @@ def _peak(states: list[dict]) -> float | None:
 
 
 def run_arm(b: dict, arm: dict, seed: int, cfg) -> dict:
-    from . import sft, tooleval, tooluse, train, update
-    from .session import Session
-
-    sess = Session(cfg)
+    sess = train.session(cfg)
     before = {p for p in sess.store.root.glob("*/*") if not p.name.startswith(".")}
     U, states, shared = b["updates"], [], {}
     if arm["method"] == "opd":
         train.run(sess)  # publishes policy 0 (the shared cold start) first
         stage, policy = "update", sess.policy_digest(U)
         for k in range(1, U + 1):
-            states += [_state(sess.store.path(n, d)) for n, d in (
+            states += [read_state(sess.store.path(n, d)) for n, d in (
                 ("rollout", sess.rollout_digest(k)), ("score", sess.score_digest(k)), ("update", sess.update_digest(k)))]
         objective = cfg.objective.name
     elif arm["method"] == "sft":
-        stage, policy = sft.continued(sess, U)
-        states.append(_state(sess.store.path(stage, policy)))
+        stage, policy = train.sft_continued(sess, U)
+        states.append(read_state(sess.store.path(stage, policy)))
         objective = "sft-nll"
     else:  # the cold start itself (or the base model when sft.steps = 0)
-        update.init(sess)
         train.policy0(sess)
-        stage, policy, objective, U = sess.policy_dir(0).parent.name, sess.policy_digest(0), "none", 0
+        stage, policy, objective, U = sess.chain.policy_stage(0), sess.policy_digest(0), "none", 0
     if cfg.sft.steps:
-        shared["cold_start_seconds"] = _state(sess.store.path("sft", sft.cold_start_digest(sess))).get("wall_s")
+        shared["cold_start_seconds"] = read_state(sess.store.path("sft", sess.chain.cold_start())).get("wall_s")
     if cfg.teacher_mode == "protocol_sft":
-        tdig = sft.teacher_digest(sess)
-        shared["teacher_sft_seconds"] = _state(sess.store.path("sft", tdig)).get("wall_s")
+        tdig = sess.chain.teacher_adapter()
+        shared["teacher_sft_seconds"] = read_state(sess.store.path("sft", tdig)).get("wall_s")
         if sess.prepared["teacher"] == sess.prepared["student"]:  # the adapter fits the student: evaluate the teacher too
             m = json.loads((tooleval.run(sess, "sft", tdig) / "eval.json").read_text())
             shared["teacher_success"], shared["teacher_success_lenient"] = m["success"], m["success_lenient"]
@@ -203,7 +194,7 @@ def run_arm(b: dict, arm: dict, seed: int, cfg) -> dict:
         "avg_turns": metrics["avg_turns"], "invalid_call_rate": metrics["invalid_call_rate"],
         "tokens_per_task": metrics["tokens_per_task"],
         "train_seconds": round(sum(s.get("wall_s", 0.0) for s in states), 2),
-        "peak_memory_gib": _peak(states + [_state(e)]), "eval": metrics,
+        "peak_memory_gib": _peak(states + [read_state(e)]), "eval": metrics,
         "failure_attribution": tooleval.attribution(e, tooluse.load_tasks(sess, "test")),
         "shared": shared, "policy": f"{stage}/{policy}", "evaluation": f"tooleval/{e.name}",
         "new_store_entries": len(after - before),
@@ -238,6 +229,4 @@ def main(path: str, arm_name: str | None = None, seed: int | None = None, result
             print(f"  strict {r['success']:.3f} lenient {r['success_lenient']:.3f} train {r['train_seconds']:.0f}s "
                   f"({r['new_store_entries']} new store entries)", flush=True)
             results.append(r)
-    from .benchmark_report import write
-
     return write(b, cfgs, results, round(time.perf_counter() - t0, 1))

@@ -6,10 +6,12 @@ failure attribution. Means over two seeds are descriptive only: no significance 
 """
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
 from .config import to_dict
+from .models import env_versions
 from .store import write_json
 
 COLS = [("arm", "arm"), ("seed", "seed"), ("objective", "objective"), ("updates", "updates"),
@@ -43,10 +45,6 @@ def means(b: dict, results: list[dict]) -> list[dict]:
 
 
 def machine(threads: int) -> dict:
-    import os
-
-    from .models import env_versions
-
     return {**env_versions(), "cpu_count": os.cpu_count(), "torch_threads": threads or "default",
             "node": platform.node(), "code": code_revision()}
 

@@ -30,32 +30,31 @@ from .errors import EXIT_NO_SPACE, Interrupted, UserError
 STAGES = ("prepare", "init", "rollout", "score", "update", "train", "evaluate", "export", "sft", "tooleval")
 
 
-def _config(args):
-    from . import config
-
-    if args.params:
-        if args.overrides:
-            raise UserError("give either --params FILE or overrides, not both")
-        return config.load(args.params)
-    conf_dir = Path.cwd() / "conf" if (Path.cwd() / "conf" / "config.yaml").exists() else None
-    return config.compose(args.overrides, conf_dir)
-
-
 def _session(args):
-    from .session import Session
+    from . import config, train
 
-    sess = Session(_config(args))
     # how the config was given: a view `dvc repro` made (--params) is not silently taken over by an
     # `opd run` with other overrides, nor the reverse (stages/runview.py)
-    sess.origin = "params" if getattr(args, "params", None) else "overrides"
-    return sess
+    return train.session(config.from_args(args.params, args.overrides), origin=_origin(args))
+
+
+def _origin(args) -> str:
+    return "params" if getattr(args, "params", None) else "overrides"
+
+
+def _export_session(args):
+    """The Session an export of the recorded run needs: no prepare (it would rewrite the view's
+    prepare.json for the config given, which only names the run), nothing computed."""
+    from . import config
+    from .session import Session
+
+    return Session(config.from_args(args.params, args.overrides), origin=_origin(args))
 
 
 def cmd_params(args) -> None:
     from . import config
 
-    conf_dir = Path.cwd() / "conf" if (Path.cwd() / "conf" / "config.yaml").exists() else None
-    config.write_params(args.overrides, args.out, conf_dir)
+    config.write_params(args.overrides, args.out, config.conf_dir())
     print(f"wrote {args.out}")
 
 
@@ -77,18 +76,24 @@ def cmd_run(args) -> None:
 
 
 def cmd_stage(args) -> None:
-    from . import evaluate, export, prepare, rollout, score, train, update
+    from . import evaluate, export, prepare, rollout, score, tooleval, train, update
 
-    sess = _session(args)
     name, k = args.name, args.step
     if name in ("rollout", "score", "update") and k is None:
         raise UserError(f"opd stage {name} needs --step N (1..train.updates)")
+    if name == "export" and getattr(args, "verl", None) is None:  # the recorded run's final policy, nothing run
+        sess = _export_session(args)
+        export.check_selection(sess, args.overrides)
+        export.main(sess, args.out, args.merged)
+        return
+    sess = _session(args)
     if name == "prepare":
         prepare.main(sess)
     elif name == "init":
         print(update.init(sess))
     elif name == "rollout":
-        rollout.main(sess, k)
+        train.ensure_policy(sess, k - 1)
+        print(f"rollout step {k}: {rollout.run(sess, k) / 'rollout.parquet'}")
     elif name == "score":
         train.ensure_policy(sess, k - 1)
         rollout.run(sess, k)
@@ -101,23 +106,28 @@ def cmd_stage(args) -> None:
     elif name == "train":
         train.main(sess)
     elif name == "evaluate":
+        train.ensure_policy(sess, sess.cfg.train.updates)
         evaluate.main(sess)
     elif name == "sft":  # the student's cold start; the protocol_sft teacher adapter when configured
-        from . import sft
-
-        sft.main(sess)
+        cfg = sess.cfg
+        if cfg.env.name is None or not (cfg.sft.steps or cfg.teacher_mode == "protocol_sft"):
+            raise UserError("opd stage sft needs env.name and sft.steps > 0 (cold start) or teacher_mode=protocol_sft")
+        train.policy0(sess)
+        if cfg.sft.steps:
+            print(f"sft cold start (policy 0): {sess.policy_dir(0)}")
+        if cfg.teacher_mode == "protocol_sft":
+            print(f"sft teacher adapter: {sess.store.path('sft', sess.chain.teacher_adapter())}")
     elif name == "tooleval":  # greedy held-out episodes of policy --step N (default train.updates)
-        from . import tooleval
-
+        if sess.cfg.env.name is None:
+            raise UserError("opd stage tooleval needs a tool environment; set env.name")
+        k = sess.cfg.train.updates if k is None else k
+        train.ensure_policy(sess, k)
         tooleval.main(sess, k)
-    elif name == "export":
-        if getattr(args, "verl", None) is not None:
-            from .verl import bundle
+    elif name == "export":  # --verl (the PEFT export returned above)
+        from .verl import bundle
 
-            bundle.main(sess, args.verl, args)
-        else:
-            export.check_selection(sess, args.overrides)
-            export.main(sess, args.out, args.merged)
+        train.ensure_policy(sess, sess.cfg.train.updates)
+        bundle.main(sess, args.verl, args)
 
 
 def cmd_inspect(args) -> None:
@@ -152,9 +162,9 @@ def cmd_report(args) -> None:
 
 
 def cmd_plan(args) -> None:
-    from . import plan
+    from . import planview
 
-    plan.main(args)
+    planview.main(args)
 
 
 def cmd_dvc_yaml(args) -> None:

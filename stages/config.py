@@ -17,6 +17,8 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from . import envs, objectives, selection
+from .envs.task import check_split
 from .errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -261,16 +263,12 @@ def validate(cfg: Config, source: str = "config") -> Config:
                         "'-'; no '/', no leading '.'): it names dirs inside the artifacts dir")
     if cfg.rollout.min_new_tokens > cfg.rollout.max_new_tokens:
         raise UserError(f"{source}: key 'rollout.min_new_tokens' exceeds 'rollout.max_new_tokens'")
-    from . import objectives  # registry lives there; imported late to keep config import-light
-
     if cfg.objective.name not in objectives.REGISTRY:
         raise UserError(f"{source}: key 'objective.name' = {cfg.objective.name!r}; expected one of "
                         f"{', '.join(sorted(objectives.REGISTRY))}")
     objectives.check(cfg.objective, source)
     _check_tooluse(cfg, source)
     _check_memory(cfg, source)
-    from . import selection
-
     selection.check(cfg.selection, source)
     return cfg
 
@@ -296,9 +294,6 @@ def _check_tooluse(cfg: Config, source: str) -> None:
             if bad:
                 raise UserError(f"{source}: key '{key}' = {_get(cfg, key)!r} needs a tool environment; set env.name")
         return
-    from . import envs
-    from .envs.task import check_split
-
     try:
         check_split(cfg.env.split, envs.get(cfg.env.name).SPLITS)
     except UserError as e:
@@ -333,6 +328,21 @@ def load(path: str | os.PathLike = "params.yaml") -> Config:
     except Exception as e:  # yaml syntax errors
         raise UserError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
     return from_container(data, str(p))
+
+
+def conf_dir() -> Path:
+    """The conf/ tree commands compose from: ./conf when the working directory has one, else the checkout's."""
+    here = Path.cwd() / "conf"
+    return here if (here / "config.yaml").is_file() else ROOT / "conf"
+
+
+def from_args(params: str | None, overrides: list[str]) -> Config:
+    """A command's config: a composed params file, or conf/ with Hydra overrides (not both)."""
+    if params:
+        if overrides:
+            raise UserError("give either --params FILE or overrides, not both")
+        return load(params)
+    return compose(overrides, conf_dir())
 
 
 def compose(overrides: list[str], conf_dir: str | os.PathLike | None = None) -> Config:

@@ -19,6 +19,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .errors import UserError
+
 OK, WARN, FAIL = "ok", "warn", "fail"
 # (distribution, import name, required?, why) — required ones are blockers when missing
 LIBRARIES = [
@@ -112,7 +114,6 @@ def check_quant(cfg) -> list[Check]:
 
 def check_embedded(cfg) -> Check:
     from . import models
-    from .errors import UserError
 
     # the embedded tokenizer also serves `arch:` (random-init) models
     needed = cfg is None or any(getattr(cfg, r).name == "embedded" or getattr(cfg, r).name.startswith("arch:")
@@ -146,7 +147,6 @@ def check_artifacts(artifacts: str) -> list[Check]:
 def load_config(params: str | None, overrides: list[str]):
     """(config or None, a Check describing where it came from)."""
     from . import config
-    from .errors import UserError
 
     try:
         if params:

@@ -126,9 +126,9 @@ def graph(module_level_only: bool = False) -> dict[str, set[str]]:
     g = {}
     for name, path in mods.items():
         deps = {m for m, top in imports(path, known) if top or not module_level_only}
-        # importing a.b runs a/__init__ first
+        # importing a.b runs a/__init__ first (the importer's own packages are already running)
         deps |= {".".join(m.split(".")[:i]) for m in deps for i in range(1, m.count(".") + 1)}
-        g[name] = deps - {name}
+        g[name] = deps - {name} - {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
     return g
 
 

@@ -8,20 +8,20 @@ metrics.json in the run view (DVC metrics).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
 import torch
 
-from . import lmhead, sampler, tables
-from .prepare import prompt_ids
-from .rollout import tokenizer
+from . import lmhead, runview, sampler, tables
+from .prompts import prompt_ids
 from .session import Session, phase
 from .store import write_json
 
 
 def greedy(sess: Session, model, engine, prompts: list[list[int]]) -> list[list[int]]:
-    tok = tokenizer(sess)
+    tok = sess.tokenizer()
     kw = dict(eos=tok.eos_token_id, pad=tok.pad_token_id or tok.eos_token_id, seed=0, greedy=True)
     out = engine.generate(prompts, sess.cfg.eval.max_new_tokens, **kw) if engine else \
         sampler.hf_generate(model, prompts, sess.cfg.eval.max_new_tokens, **kw)
@@ -42,12 +42,10 @@ def measure(sess: Session, student, prompts, responses) -> dict:
 def run(sess: Session) -> dict:
     cfg, K = sess.cfg, sess.cfg.train.updates
     dig = sess.chain.evaluate()
-    from . import runview
-
     runview.check_same_run(sess, "evaluating it")  # metrics.json describes the view's run, no other
 
     def produce(tmp: Path) -> None:
-        tok = tokenizer(sess)
+        tok = sess.tokenizer()
         ev = tables.read(sess.store.path("prompts", sess.prepared["prompts"]) / "eval.parquet")
         prompts = [prompt_ids(tok, m, cfg.data) for m in ev.column(cfg.data.prompt_key).to_pylist()]
         state: dict = {"stage": "evaluate", "digest": dig}
@@ -72,20 +70,18 @@ def run(sess: Session) -> dict:
         tables.write(tmp / "samples.parquet", pa.Table.from_pylist(rows), {"digest": dig})
         write_json(tmp / "state.json", state)
 
-    d, computed = sess.store.ensure("evaluate", dig, produce)
-    import json
-
+    d, _ = sess.store.ensure("evaluate", dig, produce)
     result = json.loads((d / "eval.json").read_text())
     write_json(sess.run_dir / "metrics.json", {"eval": result, "updates": K})
-    sess.evaluate_reused = not computed  # for the one line main prints
     return result
 
 
 def main(sess: Session) -> dict:
+    reused = (sess.store.path("evaluate", sess.chain.evaluate()) / "manifest.json").is_file()
     r = run(sess)
     t = r["initial"]["on_teacher_text"]["kl"], r["final"]["on_teacher_text"]["kl"]
     o = r["initial"]["on_own_text"]["kl"], r["final"]["on_own_text"]["kl"]
     print(f"evaluate: held-out KL(teacher||student) on teacher text {t[0]:.4f} -> {t[1]:.4f}; "
           f"on own text {o[0]:.4f} -> {o[1]:.4f}"
-          + (" (published by an earlier run: reused)" if getattr(sess, "evaluate_reused", False) else ""))
+          + (" (published by an earlier run: reused)" if reused else ""))
     return r

@@ -27,8 +27,8 @@ from .store import fault, write_json
 # config keys that only say which run to export and where its artifacts are: anything else given
 # to `opd stage export` would be a config the export ignores (it exports the recorded run)
 SELECTORS = ("run", "artifacts")
-# the files of a model dir that make up its tokenizer (copied next to the adapter and the merged model)
 FICLONE = 0x40049409  # Linux ioctl: make dst share src's extents copy-on-write (btrfs, xfs)
+# the files of a model dir that make up its tokenizer (copied next to the adapter and the merged model)
 TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "chat_template", "vocab", "merges", "added_tokens")
 
 

@@ -101,7 +101,7 @@ def tokenizer(gguf_hash: str) -> str:
 
 
 def model(ident: dict) -> str:
-    """A model materialised from its source; `ident` is models.identity (settings + file hashes)."""
+    """A model materialised from its source; `ident` is models.identity_of (settings + file hashes)."""
     return digest("model", STAGES["model"].version, ident, {})
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import tables
+from . import runview, tables
 from .errors import UserError
 
 
@@ -30,8 +30,6 @@ def _locate(path: Path, step: int | None) -> tuple[Path, Path | None]:
 
 def run_steps(run_dir: Path, step: int | None) -> list[Path]:
     """The step dirs of the run the view holds (stages/runview.py): --step N, else all of them."""
-    from . import runview
-
     ks = [k for k in runview.steps(run_dir) if k > 0 and (runview.step_dir(run_dir, k) / "rollout.parquet").exists()]
     if not ks:
         raise UserError(f"{run_dir}: the run has no sampled step yet")
@@ -103,8 +101,6 @@ def select(spec: str | None, step: int | None, every_step: bool) -> list[Path]:
         return [p]
     if p is not None and p.suffix == ".parquet":
         raise UserError(f"{p}: Parquet file not found")
-    from . import runview
-
     dirs = run_steps(runview.locate(spec), step)
     if step is None and not every_step and len(dirs) > 1:
         print(f"inspect: {dirs[-1].name}, the run's last step ({runview.ranges([int(d.name[5:]) for d in dirs])}: "

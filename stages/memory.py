@@ -114,7 +114,7 @@ def shared_teacher(sess) -> SharedTeacher:
     return SharedTeacher(sess.student())
 
 
-# ---- swap: the idle role waits in host memory ----
+# ---- swap: the idle role waits in host memory (Session.activate decides when) ----
 
 def move(model, device: torch.device) -> None:
     """Move a role (parameters, buffers and gradients: Module.to carries .grad) to `device`."""
@@ -122,44 +122,12 @@ def move(model, device: torch.device) -> None:
     target.to(device)
 
 
-def _move_moments(sess, device: torch.device) -> None:
-    """The resident AdamW's moments (update.run keeps them in sess._opt) travel with the student."""
-    live = getattr(sess, "_opt", None)
-    if live:
-        for st in live[1].state.values():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in st:
-                    st[key] = st[key].to(device)
-
-
-def activate(sess, role: str) -> None:
-    """Placement swap: bring `role` to the device and send the other role to host memory. The
-    rollout engine (merged sampling weights, captured graphs) is dropped with the student and
-    rebuilt at the next rollout. Other placements: nothing to do."""
-    if sess.placement != "swap" or sess.device.type == "cpu":
-        return
-    other = "teacher" if role == "student" else "student"
-    held = sess._teacher if other == "teacher" else sess._student
-    if held is not None and other not in sess._on_host:
-        sess.store.flush()  # an update still being written reads the student's tensors where they are
-        if other == "student" and sess._engine:
-            sess._engine = None  # its weights and graphs live on the device; rebuilt at the next rollout
-        move(held, torch.device("cpu"))
-        if other == "student":
-            _move_moments(sess, torch.device("cpu"))
-        sess._on_host.add(other)
-        torch.cuda.empty_cache()  # give the freed blocks back so the incoming role can use them
-    ensure_on_device(sess, role)
-
-
-def ensure_on_device(sess, role: str) -> None:
-    """An accessor's promise: the role it returns is on the device (evicts nothing)."""
-    if role in sess._on_host:
-        model = sess._teacher if role == "teacher" else sess._student
-        move(model, sess.device)
-        if role == "student":
-            _move_moments(sess, sess.device)
-        sess._on_host.discard(role)
+def move_moments(opt, device: torch.device) -> None:
+    """AdamW moments (the resident optimizer between updates) travel with the student."""
+    for st in opt.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in st:
+                st[key] = st[key].to(device)
 
 
 # ---- CUDA OOM in score/update: halve the position chunk and retry ----
@@ -175,7 +143,7 @@ def chunk_retry(sess, stage: str, k: int, state: dict, attempt: Callable[[int], 
 
     The stage digest keeps the configured `train.chunk`: chunking changes only the order of float
     sums, so a retried step publishes what the configured chunk would, up to rounding."""
-    chunk = sess._chunk.get(stage, sess.cfg.train.chunk)
+    chunk = sess.chunk_sizes.get(stage, sess.cfg.train.chunk)
     floor = min(sess.cfg.memory.chunk_floor, sess.cfg.train.chunk)
     tried = []
     while True:
@@ -200,7 +168,7 @@ def chunk_retry(sess, stage: str, k: int, state: dict, attempt: Callable[[int], 
                 f"the chunk is not what fills memory: run `opd plan` and try memory.placement=swap, "
                 f"student.quant=nf4 / teacher.quant=nf4 or a smaller rollout.batch_size ({failed})")
         chunk = max(floor, chunk // 2)
-    sess._chunk[stage] = chunk
+    sess.chunk_sizes[stage] = chunk
     if tried or chunk != sess.cfg.train.chunk:
         state["chunk"] = chunk
         state["oom_retries"] = len(tried)

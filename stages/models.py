@@ -6,15 +6,17 @@ a Hugging Face id (must be in the local cache: no hub at run time), a local dire
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
 
 import torch
 
+from . import identity
 from .config import ROOT, LoraCfg, ModelCfg
 from .errors import UserError
-from .store import canonical, file_hash
+from .store import Store, canonical, file_hash, seed_of
 
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ARCH_DIR = ROOT / "conf" / "arch"
@@ -50,7 +52,7 @@ def _hf_local_dir(name: str, revision: str | None) -> Path:
                         "(no hub access at run time); download it first or give a local path") from None
 
 
-def identity(mcfg: ModelCfg, role: str) -> dict:
+def identity_of(mcfg: ModelCfg, role: str) -> dict:
     """What the materialised model is a function of (for the prepare digest), without loading it."""
     name = mcfg.name
     ident = {"init": mcfg.init, "keep_layers": mcfg.keep_layers, "trust_remote_code": mcfg.trust_remote_code}
@@ -72,6 +74,38 @@ def identity(mcfg: ModelCfg, role: str) -> dict:
     files = {str(f.relative_to(p)): file_hash(f) for f in sorted(p.rglob("*"))
              if f.is_file() and f.suffix in {".json", ".safetensors", ".model", ".txt", ".jinja", ".bin"}}
     return {**ident, "files": files}
+
+
+def tokenizer_dir(store: Store) -> Path:
+    """The embedded SmolLM2 tokenizer as plain files (for random-init models of its vocabulary)."""
+    dig = identity.tokenizer(file_hash(gguf_path()))
+    d, _ = store.ensure("tokenizer", dig, lambda tmp: embedded_tokenizer().save_pretrained(tmp))
+    return d
+
+
+def ensure(store: Store, mcfg: ModelCfg, role: str, deep: bool = False) -> str:
+    """Materialise (once) and return the store digest of a model. Weights are content-hashed when
+    loaded (Session.model_dir), so the digest lookup here only checks manifest and sizes."""
+    if mcfg.keep_layers and mcfg.name != "" and not mcfg.name.startswith("arch:"):
+        parent_cfg = dataclasses.replace(mcfg, keep_layers=0, quant="none")
+        parent = ensure(store, parent_cfg, role, deep)
+        dig = identity.pruned_model(mcfg.keep_layers, parent)
+        src = ModelCfg(name=str(store.path("model", parent)), keep_layers=mcfg.keep_layers)
+
+        def produce(tmp: Path) -> None:
+            ensure(store, parent_cfg, role, deep=True)  # hash the parent's weights before deriving
+            materialize(src, tmp, seed_of(dig))
+
+        store.ensure("model", dig, produce, deep=deep)
+        return dig
+    dig = identity.model(identity_of(dataclasses.replace(mcfg, quant="none"), role))
+    tok = None
+    if mcfg.name.startswith("arch:"):
+        tok = tokenizer_dir(store) if mcfg.tokenizer == "embedded" else Path(mcfg.tokenizer)
+        if not (tok / "tokenizer_config.json").is_file():
+            raise UserError(f"key '{role}.tokenizer' = {mcfg.tokenizer!r}; expected 'embedded' or a tokenizer dir")
+    store.ensure("model", dig, lambda tmp: materialize(mcfg, tmp, seed_of(dig), tok), deep=deep)
+    return dig
 
 
 def embedded_tokenizer():

@@ -2,171 +2,20 @@
 embedded GGUF's header, conf/arch/*.json) and our config, estimates the peak memory of every phase
 under every placement, picks one (memory.placement=auto) and refuses an infeasible plan naming
 the settings that would make it fit. `--probe` (CUDA) puts measured peaks beside the estimates.
-
-What each phase holds (steady state, step >= 2; bytes; s = bytes of the compute dtype):
-  rollout  student weights + LoRA (fp32) + the engine's weights (s) + static KV cache
-           2 * layers * B * kv_heads * (prompt_bucket + max_new) * head_dim * s (with CUDA graphs
-           twice: the captured step's static copy stays, each call prefills a fresh one) + prefill
-           activations B * P * (2H + 3I) * s + attention scores + sampling buffers [B, V] fp32
-  score    teacher weights + forward activations t * max(2H + 3I, 2H + 5 q_dim) * s + hidden
-           states + one chunk of logits: 3 * chunk * V * 4 (log_softmax, exp, product for entropy)
-  update   student weights + LoRA + grads (fp32) + saved activations t * (layers * a + 4H)
-           (a per token and layer, `saved_per_token_layer`; with train.activation_checkpointing
-           t * (layers * H * s + 4H) plus one layer's t * a recomputed in the backward) + backward
-           scratch t * (2H + 3I) * 4 or the loss chunk 4 * chunk * V * 4, whichever is larger
-The student's LoRA grads and AdamW moments (2 x fp32) stay resident between steps, as does the
-engine's copy (q/k/v and gate/up fused, targeted o/down merged). Under resident every phase also
-holds the idle role; under swap it waits in host memory (with its moments and engine); under
-shared_backbone the teacher is the student's base (no second copy). t = B * (P + max_new).
-The activation terms were checked against autograd's saved tensors (CPU, real SmolLM2-360M
-widths): within 1% for bf16 and fp32.
+The per-phase memory model is stages/phases.py.
 """
 from __future__ import annotations
 
 import copy
-import json
 import math
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 from .errors import UserError
-from .memory import GIB
-from .shapes import (Shape, dequant_bytes, engine_copy_bytes, forward_bytes, lora_params, saved_per_token_layer,
-                     shape_of, weight_bytes)
+from .memory import GIB, device_total
+from .phases import ENV_TOOL_TOKENS, Ctx, phase_total, phases, workload
+from .shapes import lora_params, shape_of, weight_bytes
 
 PLACEMENTS = ("resident", "swap", "shared_backbone")
-PHASES = ("rollout", "score", "update")
-ENGINE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}  # stages/sampler.py SUPPORTED (no torch import here)
-ENV_TOOL_TOKENS = 32  # assumed tokens of one tool message per turn (env rollouts): the env decides
-
-
-# ---- the workload and the phases ----
-
-@dataclass
-class Ctx:
-    cfg: object
-    device: str  # cuda | cpu (the target: planning for CUDA needs no GPU here)
-    dtype: str
-    s: int
-    S: Shape
-    T: Shape
-
-    @property
-    def engine(self) -> bool:
-        """The fast rollout engine runs (merged LoRA copy, static KV cache) or the transformers fallback."""
-        return self.S.model_type in ENGINE_TYPES and self.cfg.student.quant == "none"
-
-
-def workload(x: Ctx) -> dict:
-    cfg, r = x.cfg, x.cfg.rollout
-    B, P = r.batch_size * r.n, cfg.data.max_prompt_tokens
-    env = getattr(cfg, "env", None)
-    N = env.max_turns * (env.max_tokens_per_turn + ENV_TOOL_TOKENS) if env is not None and env.name \
-        else r.max_new_tokens
-    graphs = x.device == "cuda" and r.cuda_graphs and x.engine
-    n = B * N
-    sel, n_sel = getattr(cfg, "selection", None), n
-    if sel is not None and sel.mode == "uniform_ratio":
-        n_sel = max(1, math.ceil(n * sel.ratio))
-    elif sel is not None and sel.mode == "uniform_budget" and sel.budget:
-        n_sel = min(n, sel.budget)
-    return {"sequences": B, "prompt_tokens": P, "prompt_bucket": -(-P // 16) * 16 if graphs else P,
-            "new_tokens": N, "tokens": B * (P + N), "response_positions": n, "head_positions": n_sel,
-            "chunk": min(cfg.train.chunk, n_sel), "vocab": x.S.vocab, "cuda_graphs": graphs}
-
-
-def _label(quant: str, dq: bool, dtype: str) -> str:
-    return {"none": dtype, "nf4": "nf4 + double quant" if dq else "nf4", "int8": "int8"}[quant]
-
-
-def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]]:
-    """(role, component, bytes, alt) held during each phase under `placement`. Items with alt=True
-    happen one after another within the phase (e.g. forward activations, then a logits chunk): only
-    the largest of them counts toward the phase's peak (`total`)."""
-    cfg, S, T, s = x.cfg, x.S, x.T, x.s
-    w = workload(x)
-    B, P, Pb, N, t = w["sequences"], w["prompt_tokens"], w["prompt_bucket"], w["new_tokens"], w["tokens"]
-    n, c, V, k = w["head_positions"], w["chunk"], S.vocab, cfg.objective.topk
-    moves = placement == "swap" and x.device != "cpu"  # on CPU the "device" is host memory
-    shared = placement == "shared_backbone"
-    sq, tq = cfg.student.quant, cfg.teacher.quant
-    sdq, tdq = getattr(cfg.student, "double_quant", False), getattr(cfg.teacher, "double_quant", False)
-    lora = lora_params(S, cfg.lora) * 4
-    stud = [("student", f"weights ({_label(sq, sdq, x.dtype)})", weight_bytes(S, sq, sdq, s), False),
-            ("student", "LoRA (fp32)", lora, False),
-            ("student", "LoRA grads (fp32, kept from the last update)", lora, False),
-            ("student", "AdamW moments (2 x fp32, resident between steps)", 2 * lora, False)]
-    L = Pb + N
-    kv = 2 * S.layers * B * S.kv_heads * L * S.head_dim * s
-    pick = B * V * (s + 16 + (21 if cfg.rollout.top_p < 1 else 0))  # head output + fp32 logits/logp/probs/cdf
-    gqa = 2 * B * S.heads * L * S.head_dim * s if S.heads != S.kv_heads else 0  # math SDPA repeats k/v
-    eng = [("student", "rollout engine weights (fused q/k/v, gate/up; merged LoRA)",
-            engine_copy_bytes(S, cfg.lora, s), False)] if x.engine else []
-    if x.engine and w["cuda_graphs"]:  # the captured decode step keeps its static state and pool
-        eng.append(("student", f"captured decode graph: static KV cache [{S.layers}, {B}, {S.kv_heads}, {L}, "
-                    f"{S.head_dim}] x2 + pool", kv + pick + gqa + B * (2 * S.hidden + 3 * S.inter) * s, False))
-    teach = [("teacher", "weights: the student's base (shared, counted once)", 0, False)] if shared else \
-        [("teacher", f"weights ({_label(tq, tdq, x.dtype)})", weight_bytes(T, tq, tdq, s), False)]
-    out: dict[str, list] = {}
-
-    ro = stud + eng + ([] if moves else teach)
-    if x.engine:
-        if moves:  # the engine is rebuilt inside each rollout: fp32 scratch of one merge
-            big = max(i * o for i, o in S.proj().values())
-            ro.append(("student", "engine build scratch (fp32 merge of one projection)", 3 * big * 4, True))
-        ro += [("student", f"KV cache of this call [{S.layers}, {B}, {S.kv_heads}, {L}, {S.head_dim}] x2"
-                + (" (copied into the graph's)" if w["cuda_graphs"] else ""), kv, False),
-               ("student", f"prefill activations ({B} x {Pb} tokens) + attention scores",
-                B * Pb * (2 * S.hidden + 3 * S.inter) * s + 2 * B * S.heads * Pb * L * 4 + gqa, True),
-               ("student", "sampling buffers [B, V] fp32", pick, True)]
-    else:  # transformers fallback: dynamic cache, LoRA unmerged, logits of every prompt position
-        ro += [("student", f"KV cache (dynamic) [{S.layers}, {B}, {S.kv_heads}, {P + N}, {S.head_dim}] x2",
-                2 * S.layers * B * S.kv_heads * (P + N) * S.head_dim * s, False),
-               ("student", f"prefill logits [{B}, {P}, {V}]", B * P * V * s, False),
-               ("student", f"prefill activations ({B} x {P} tokens)", forward_bytes(S, B * P, s), True),
-               ("student", "sampling buffers [B, V] fp32", pick, True),
-               ("student", "quantized matmul scratch", dequant_bytes(S, sq, B * P, s), False)]
-    out["rollout"] = ro
-
-    sc = ([] if moves else stud + eng) + teach
-    tquant = sq if shared else tq
-    sc += [("teacher", f"forward activations ({t} tokens) + last hidden states [{t}, H]",
-            forward_bytes(T, t, s) + t * T.hidden * s, True),
-           ("teacher", f"logits chunk [{c}, {V}] fp32 x3 (log_softmax, exp, entropy term)", 3 * c * V * 4, True),
-           ("teacher", f"selected hidden states [{n}, H]", n * T.hidden * s, False),
-           ("teacher", "log-probs, entropy, top-k ids and log-probs", n * (8 + 12 * k), False),
-           ("teacher", "quantized matmul scratch", dequant_bytes(T, tquant, t, s), False)]
-    out["score"] = sc
-
-    full = "full" in _needs(cfg)
-    a, scratch = saved_per_token_layer(S, cfg.lora, s), t * (2 * S.hidden + 3 * S.inter) * 4
-    up = stud + ([] if moves else eng + teach)
-    if getattr(cfg.train, "activation_checkpointing", False):  # each layer keeps only its input
-        up += [("student", f"checkpointed layer inputs ({t} tokens x {S.layers} layers)",
-                t * (S.layers * S.hidden * s + 4 * S.hidden), False),
-               ("student", "backward: one layer's activations recomputed + scratch", t * a + scratch, True)]
-    else:
-        up += [("student", f"saved activations ({t} tokens x {S.layers} layers)",
-                t * (S.layers * a + 4 * S.hidden), False),
-               ("student", "backward scratch (one layer)", scratch, True)]
-    up += [("student", f"loss chunk [{c}, {V}] fp32 x4" + (" + teacher logits" if full else "")
-            + f" + hidden-state grad [{n}, H]", (5 if full else 4) * c * V * 4 + n * S.hidden * s, True),
-           ("student", "quantized matmul scratch", dequant_bytes(S, sq, t, s), False)]
-    out["update"] = up
-
-    return {ph: [i for i in items if i[2] or "shared" in i[1]] for ph, items in out.items()}
-
-
-def phase_total(items) -> int:
-    """Held items add up; of the one-after-another (alt) items only the largest counts."""
-    return sum(b for *_, b, alt in items if not alt) + max((b for *_, b, alt in items if alt), default=0)
-
-
-def _needs(cfg) -> set:
-    from . import objectives
-
-    return objectives.needs(cfg.objective)
 
 
 # ---- placements ----
@@ -254,8 +103,6 @@ def _target(cfg) -> tuple[str, str, int]:
 def _budget(cfg, device: str) -> tuple[int, str]:
     if cfg.memory.vram_gib is not None:
         return int(cfg.memory.vram_gib * GIB), "memory.vram_gib"
-    from .memory import device_total
-
     return device_total(device)
 
 
@@ -432,62 +279,3 @@ def infeasible_message(est: dict) -> str:
             f"({est['budget_source']}, memory.margin {est['margin']}); "
             + (f"fits with: {fix}" if fix else "no change tried fits (chunk, nf4, swap, batch size)" + tried
                + "; use a smaller pair or a larger device"))
-
-
-# ---- output ----
-
-def render(est: dict, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console(width=120)
-    probe = est.get("probe", {}).get("phases", {})
-    t = Table(title=f"opd plan: {est['device']} {est['dtype']}, placement {est['placement']['chosen']}")
-    for col, j in (("phase", "left"), ("role", "left"), ("component", "left"), ("GiB", "right")):
-        t.add_column(col, justify=j)
-    if probe:
-        t.add_column("measured GiB", justify="right")
-    for ph, d in est["phases"].items():
-        for i, it in enumerate(d["items"]):
-            what = ("[dim]one of:[/] " if it["one_at_a_time"] else "") + it["component"]
-            t.add_row(ph if i == 0 else "", it["role"], what, f"{it['gib']:.4f}", *([""] if probe else []))
-        meas = probe.get(ph, {}).get("peak_allocated_gib")
-        t.add_row("", "", f"[bold]{ph} total[/]", f"[bold]{d['total_gib']:.4f}[/]",
-                  *([f"{meas:.4f}" if meas is not None else "-"] if probe else []), end_section=True)
-    console.print(t)
-    console.print("  one of: transients that come one after another within the phase; only the largest counts",
-                  style="dim")
-    for p, r in est["placements"].items():
-        console.print(f"  {p:16s} " + (f"refused: {r['refused']}" if "refused" in r else
-                                        f"peak {r['peak_gib']:.3f} GiB ({r['peak_phase']})"
-                                        + ("" if r["feasible"] else "  [red]does not fit[/]")))
-    for role, m in est["models"].items():  # which shapes were planned (weight-free: where they came from)
-        console.print(f"  {role}: {m['layers']} layers, hidden {m['hidden']}, {m['params'] / 1e6:,.0f}M params; "
-                      f"shapes from {m['source']}", markup=False)
-    console.print(f"placement: [bold]{est['placement']['chosen']}[/] - {est['placement']['why']}")
-    console.print(f"budget {est['budget_gib']:.2f} GiB ({est['budget_source']}), usable {est['usable_gib']:.2f} "
-                  f"(margin {est['margin']}), peak {est['peak_gib']:.3f} GiB ({est['peak_phase']}), "
-                  f"headroom {est['headroom_gib']:.3f} GiB")
-    for n in est["notes"]:
-        console.print(f"  note: {n}", style="dim")
-
-
-def main(args) -> dict:
-    """`opd plan [overrides] [--params FILE] [--out plan.json] [--probe]`."""
-    from .cli import _config
-
-    cfg = _config(args)
-    est = estimate(cfg)
-    if est["feasible"] and (getattr(args, "probe", False) or cfg.memory.probe):
-        from . import probe
-
-        est["probe"] = probe.run(cfg, est)
-    render(est)
-    if getattr(args, "out", None):
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(est, indent=2, sort_keys=True) + "\n")
-        print(f"wrote {out}")
-    if not est["feasible"]:
-        raise UserError(infeasible_message(est))
-    return est

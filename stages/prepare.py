@@ -7,49 +7,16 @@ generator or a user's verl Parquet, checked against `data.max_prompt_tokens` (ne
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import pyarrow as pa
 
-from . import identity, models, prompts, tables
-from .config import ModelCfg
+from . import identity, models, prompts, runview, tables, tooluse
 from .errors import UserError
-from .session import Session, require_tokenizer_match
-from .store import fault, file_hash, seed_of, write_json
-
-
-def tokenizer_dir(sess: Session) -> Path:
-    """The embedded SmolLM2 tokenizer as plain files (for random-init models of its vocabulary)."""
-    dig = identity.tokenizer(file_hash(models.gguf_path()))
-    d, _ = sess.store.ensure("tokenizer", dig, lambda tmp: models.embedded_tokenizer().save_pretrained(tmp))
-    return d
-
-
-def model_digest(sess: Session, mcfg: ModelCfg, role: str, deep: bool = False) -> str:
-    """Materialise (once) and return the store digest of a model. Weights are content-hashed when
-    loaded (Session.model_dir), so the digest lookup here only checks manifest and sizes."""
-    if mcfg.keep_layers and mcfg.name != "" and not mcfg.name.startswith("arch:"):
-        parent_cfg = dataclasses.replace(mcfg, keep_layers=0, quant="none")
-        parent = model_digest(sess, parent_cfg, role, deep)
-        dig = identity.pruned_model(mcfg.keep_layers, parent)
-        src = ModelCfg(name=str(sess.store.path("model", parent)), keep_layers=mcfg.keep_layers)
-        def produce(tmp: Path) -> None:
-            model_digest(sess, parent_cfg, role, deep=True)  # hash the parent's weights before deriving
-            models.materialize(src, tmp, seed_of(dig))
-
-        sess.store.ensure("model", dig, produce, deep=deep)
-        return dig
-    ident = models.identity(dataclasses.replace(mcfg, quant="none"), role)
-    dig = identity.model(ident)
-    tok = None
-    if mcfg.name.startswith("arch:"):
-        tok = tokenizer_dir(sess) if mcfg.tokenizer == "embedded" else Path(mcfg.tokenizer)
-        if not (tok / "tokenizer_config.json").is_file():
-            raise UserError(f"key '{role}.tokenizer' = {mcfg.tokenizer!r}; expected 'embedded' or a tokenizer dir")
-    sess.store.ensure("model", dig, lambda tmp: models.materialize(mcfg, tmp, seed_of(dig), tok), deep=deep)
-    return dig
+from .session import Session
+from .store import fault, file_hash, write_json
+from .verl.data import read_verl_parquet
 
 
 def fingerprint(model_dir: Path) -> tuple[str, int]:
@@ -67,8 +34,6 @@ def load_prompt_rows(sess: Session) -> tuple[pa.Table, pa.Table]:
     if d.path is None:
         train, evals = prompts.generate(d)
         return pa.Table.from_pylist(train, tables.PROMPTS), pa.Table.from_pylist(evals, tables.PROMPTS)
-    from .verl.data import read_verl_parquet
-
     t = read_verl_parquet(d.path, d.prompt_key)
     if d.eval_path is not None:  # verl's val_files: every row of that file is an evaluation row
         return t.slice(0, d.num_train), read_verl_parquet(d.eval_path, d.prompt_key).slice(0, d.num_eval)
@@ -83,45 +48,26 @@ def load_prompt_rows(sess: Session) -> tuple[pa.Table, pa.Table]:
     return tr.slice(0, d.num_train), ev.slice(0, d.num_eval)
 
 
-def encode_prompt(tok, messages: list[dict]) -> list[int]:
-    ids = tok.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
-                                  add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def truncate_ids(ids: list[int], limit: int, policy: str) -> list[int]:
-    """verl's `data.truncation` on the chat-templated prompt ids: left keeps the last `limit` ids, right
-    the first, middle the first limit//2 and the last limit - limit//2; error (the default) never cuts."""
-    if len(ids) <= limit or policy == "error":
-        return ids
-    if policy == "left":
-        return ids[-limit:]
-    if policy == "right":
-        return ids[:limit]
-    if policy == "middle":
-        return ids[:limit // 2] + ids[len(ids) - (limit - limit // 2):]
-    raise UserError(f"key 'data.truncation' = {policy!r}; expected one of error, left, right, middle")
-
-
-def prompt_ids(tok, messages: list[dict], data) -> list[int]:
-    """Chat-templated prompt ids under the configured length policy (data: DataCfg)."""
-    return truncate_ids(encode_prompt(tok, messages), data.max_prompt_tokens, data.truncation)
-
-
 def check_prompts(t: pa.Table, key: str, tok, limit: int, source: str, truncation: str = "error") -> None:
     for i, msgs in enumerate(t.column(key).to_pylist()):
         if not msgs or not any((m.get("content") or "").strip() for m in msgs):
             raise UserError(f"{source}: row {i} has an empty prompt")
-        if truncation == "error" and tok is not None and (n := len(encode_prompt(tok, msgs))) > limit:
+        if truncation == "error" and tok is not None and (n := len(prompts.encode_prompt(tok, msgs))) > limit:
             raise UserError(f"{source}: row {i} prompt is {n} tokens; data.max_prompt_tokens = {limit} "
                             "(raise the limit, shorten the prompt or choose data.truncation=left|right|middle)")
+
+
+def require_tokenizer_match(fp_student: str, fp_teacher: str, s_name: str, t_name: str) -> None:
+    if fp_student != fp_teacher:
+        raise UserError(f"tokenizer mismatch: student {s_name!r} ({fp_student[:12]}) and teacher {t_name!r} "
+                        f"({fp_teacher[:12]}) must share one tokenizer")
 
 
 def run(sess: Session) -> dict:
     cfg = sess.cfg
     fault("prepare.before")
-    student = model_digest(sess, cfg.student, "student")
-    teacher = model_digest(sess, cfg.teacher, "teacher")
+    student = models.ensure(sess.store, cfg.student, "student")
+    teacher = models.ensure(sess.store, cfg.teacher, "teacher")
     check_context(sess, {"student": student, "teacher": teacher})
     # The checks and records below are a pure function of the models and the data settings, so they
     # are a stage too: a resumed run reads the record back instead of reloading both tokenizers.
@@ -138,11 +84,10 @@ def run(sess: Session) -> dict:
     out = json.loads((d / "prepared.json").read_text())
     if sess.store.get("prompts", out["prompts"]) is None:  # rollout/evaluate read it: content-check it here
         _build(sess, student, teacher)  # (missing or damaged: rebuilt, to the same digest and bytes)
-    from . import runview
-
     # before the view is touched: never half of another run
     runview.refuse_other_origin(sess, lambda: identity.Chain(cfg, sess.runtime_slice, out).policy(cfg.train.updates))
     write_json(sess.run_dir / "prepare.json", out)
+    sess.prepared = out
     fault("prepare.after")
     return out
 
@@ -197,8 +142,6 @@ def _build(sess: Session, student: str, teacher: str) -> dict:
     out = {"student": student, "teacher": teacher, "prompts": pdig, "tokenizer": fp_s, "vocab": vocab_s,
            "num_train": train.num_rows, "num_eval": evals.num_rows}
     if cfg.env.name:  # tool-use task rows (verl schema): rollouts, SFT traces, held-out evaluation
-        from . import tooluse
-
         out.update(tooluse.prepare_tasks(sess, fp_s))
     return out
 

@@ -12,14 +12,14 @@ import numpy as np
 import torch
 
 from . import identity as stage_identity
+from . import lmhead, models, objectives, train, update
 from .config import logit_temperature
 from .errors import UserError
+from .session import phase
 from .store import Store, write_json
 
 
 def identity(cfg, est: dict) -> dict:
-    from . import models, objectives
-
     return {"models": est["models"], "workload": est["workload"], "placement": est["placement"]["chosen"],
             "lora": {"r": cfg.lora.r, "target_modules": sorted(cfg.lora.target_modules)},
             "objective": {"needs": sorted(objectives.needs(cfg.objective)), "topk": cfg.objective.topk},
@@ -45,12 +45,7 @@ def run(cfg, est: dict) -> dict:
 
 
 def measure(cfg, est: dict) -> dict:
-    from . import lmhead, update
-    from .rollout import sample
-    from .session import Session, phase
-
-    sess = Session(cfg)
-    sess._placement = est["placement"]["chosen"]
+    sess = train.session(cfg, placement=est["placement"]["chosen"])
     w = est["workload"]
     B, P, N, V, k = w["sequences"], w["prompt_tokens"], w["new_tokens"], w["vocab"], cfg.objective.topk
     g = torch.Generator().manual_seed(0)
@@ -68,13 +63,13 @@ def measure(cfg, est: dict) -> dict:
     for _, q in named:
         q.grad = torch.zeros_like(q)
         opt.state[q] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(q), "exp_avg_sq": torch.zeros_like(q)}
-    sess._opt = (None, opt, named)
+    sess.optimizer = (None, opt, named)
     if sess.placement != "swap":
         sess.engine()  # resident: built once at step 1 (under swap each rollout rebuilds it, in-phase)
 
     phases["rollout"] = {}
     with phase(sess.device, phases["rollout"]):
-        ro = sample(sess, student, prompts, N, seed=0, min_new=N)
+        ro = sess.generate(prompts, N, seed=0, min_new=N)
     responses = [ro.tokens[b, :int(ro.lengths[b])].tolist() for b in range(B)]
     p = lmhead.pack(prompts, responses, [[1] * len(r) for r in responses], pad=0, device=sess.device)
     n = p.targets.numel()

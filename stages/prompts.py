@@ -1,4 +1,5 @@
-"""Shipped deterministic prompt generators -> rows in verl's Parquet schema.
+"""Prompts: the shipped deterministic generators -> rows in verl's Parquet schema; chat-templated
+prompt ids under the length policy; which prompts form update batch k.
 
 A row: data_source, prompt (chat messages), ability, reward_model {style, ground_truth},
 extra_info {split, index}. Train and eval rows are disjoint by construction: every candidate
@@ -57,3 +58,41 @@ def _rows(items: list[tuple[str, str]], split: str, generator: str) -> list[dict
         "reward_model": {"style": "rule", "ground_truth": truth},
         "extra_info": {"split": split, "index": i},
     } for i, (text, truth) in enumerate(items)]
+
+
+# ---- prompt ids and batches ----
+
+def encode_prompt(tok, messages: list[dict]) -> list[int]:
+    ids = tok.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                  add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def truncate_ids(ids: list[int], limit: int, policy: str) -> list[int]:
+    """verl's `data.truncation` on the chat-templated prompt ids: left keeps the last `limit` ids, right
+    the first, middle the first limit//2 and the last limit - limit//2; error (the default) never cuts."""
+    if len(ids) <= limit or policy == "error":
+        return ids
+    if policy == "left":
+        return ids[-limit:]
+    if policy == "right":
+        return ids[:limit]
+    if policy == "middle":
+        return ids[:limit // 2] + ids[len(ids) - (limit - limit // 2):]
+    raise UserError(f"key 'data.truncation' = {policy!r}; expected one of error, left, right, middle")
+
+
+def prompt_ids(tok, messages: list[dict], data) -> list[int]:
+    """Chat-templated prompt ids under the configured length policy (data: DataCfg)."""
+    return truncate_ids(encode_prompt(tok, messages), data.max_prompt_tokens, data.truncation)
+
+
+def batch_indices(num_prompts: int, batch_size: int, k: int, key: str) -> list[int]:
+    """Prompt indices of batch k (1-based): epochs of seeded permutations, concatenated."""
+    out, start = [], (k - 1) * batch_size
+    for pos in range(start, start + batch_size):
+        epoch, i = divmod(pos, num_prompts)
+        perm = list(range(num_prompts))
+        random.Random(f"{key}:{epoch}").shuffle(perm)
+        out.append(perm[i])
+    return out

@@ -20,6 +20,7 @@ import json
 import math
 from pathlib import Path
 
+from . import inspection, runview, tables
 from .errors import UserError
 
 # Curves drawn from history.csv: (title, y label, columns). A column missing from the file, or
@@ -42,8 +43,6 @@ GAP_CLIP = 4.0  # nats: a token whose |gap| reaches this gets the full colour
 
 def locate(run: str | None, artifacts: str | None = None) -> Path:
     """NAME, run=NAME or a run directory -> the run directory (stages/runview.py; UserError if none)."""
-    from . import runview
-
     return runview.locate(run, artifacts)
 
 
@@ -73,8 +72,6 @@ def read_history(run_dir: Path) -> list[dict]:
             if row.get("step") is not None:
                 row["step"] = int(row["step"])
                 rows.append(row)
-    from . import runview
-
     listed = set(runview.steps(run_dir))
     return [r for r in rows if r["step"] in listed]
 
@@ -86,8 +83,6 @@ def read_config(run_dir: Path) -> dict | None:
 
 def step_dirs(run_dir: Path) -> list[Path]:
     """The update steps (k > 0) the run lists (stages/runview.py): never a step another run left."""
-    from . import runview
-
     return [runview.step_dir(run_dir, k) for k in runview.steps(run_dir) if k > 0]
 
 
@@ -125,8 +120,6 @@ def _median(xs: list[float]) -> float | None:
 
 def sample_trajectories(run_dir: Path, per_step: int = 3) -> list[tuple[int, list[dict]]]:
     """The first and the last step's trajectories with the largest mean |teacher - student| gap."""
-    from . import inspection, tables
-
     steps = step_dirs(run_dir)
     steps = [d for d in steps if (d / "rollout.parquet").exists()]
     chosen = list(dict.fromkeys([steps[0], steps[-1]])) if steps else []
@@ -364,8 +357,6 @@ CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 
 def status_note(run_dir: Path, reused: list[int]) -> str:
     """What the view holds, when it is not simply a finished run computed in one go."""
-    from . import runview
-
     notes = []
     rec = runview.read(run_dir)
     if rec is not None and not rec.get("complete"):

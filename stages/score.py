@@ -5,28 +5,17 @@ One teacher forward per batch; the LM head and top-k run in position chunks.
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from . import lmhead, memory, objectives, selection, tables
+from . import batch, lmhead, memory, objectives, selection, tables, tooluse
 from .config import logit_temperature
 from .errors import UserError
 from .session import Session, phase
 from .store import seed_of, write_json
-
-
-def read_rollout(path: Path) -> pa.Table:
-    return tables.read(path, {c: tables.ROLLOUT.field(c).type for c in
-                              ("uid", "prompt_ids", "response_ids", "response_mask", "sample_logprobs")})
-
-
-def packed(sess: Session, t: pa.Table) -> lmhead.Packed:
-    return lmhead.pack(tables.lists(t, "prompt_ids", np.int64), tables.lists(t, "response_ids", np.int64),
-                       tables.lists(t, "response_mask", np.int8), pad=0, device=sess.device)
 
 
 def select_positions(sess: Session, ro: pa.Table, seed: int) -> np.ndarray:
@@ -34,17 +23,10 @@ def select_positions(sess: Session, ro: pa.Table, seed: int) -> np.ndarray:
     cfg = sess.cfg.selection
     spans = None
     if cfg.mode == "hybrid":
-        from .rollout import tokenizer
-
-        tok = tokenizer(sess)
+        tok = sess.tokenizer()
         spans = [selection.token_spans(tok, ids, cfg.keep_patterns) for ids in tables.lists(ro, "response_ids", np.int64)]
     sel = selection.select(cfg, tables.lists(ro, "response_mask", np.int8), seed, spans)
     return np.concatenate(sel).astype(bool) if sel else np.zeros(0, dtype=bool)
-
-
-def subset(p: lmhead.Packed, keep: torch.Tensor) -> lmhead.Packed:
-    """The packed batch restricted to the kept positions (same sequences, fewer head positions)."""
-    return dataclasses.replace(p, rows=p.rows[keep], cols=p.cols[keep], targets=p.targets[keep])
 
 
 def _spread(values: np.ndarray, sel: np.ndarray, fill) -> np.ndarray:
@@ -58,18 +40,16 @@ def run(sess: Session, k: int) -> Path:
 
     def produce(tmp: Path) -> None:
         cfg = sess.cfg
-        ro = read_rollout(sess.store.path("rollout", sess.rollout_digest(k)) / "rollout.parquet")
+        ro = batch.read_rollout(sess.store.path("rollout", sess.rollout_digest(k)) / "rollout.parquet")
         needs = objectives.needs(cfg.objective)
         kk = cfg.objective.topk if "topk" in needs else 0
         sess.activate("teacher")  # placement swap: the student waits in host memory
         teacher = sess.teacher()
         if cfg.teacher_mode == "privileged_context":  # the teacher's prompt carries the oracle block
-            from . import tooluse
-
             ro = tooluse.with_teacher_prompts(sess, ro)
-        p = packed(sess, ro)
+        p = batch.packed(ro, sess.device)
         sel = select_positions(sess, ro, seed_of(dig))  # [n] bool over packed positions
-        ps = subset(p, torch.as_tensor(sel, device=p.rows.device))
+        ps = batch.subset(p, torch.as_tensor(sel, device=p.rows.device))
         state: dict = {"stage": "score", "step": k, "digest": dig, "selected_positions": int(sel.sum()),
                        "response_positions": int(sel.size)}
         def attempt(chunk: int):  # run again with a halved chunk after a CUDA OOM (memory.chunk_retry)

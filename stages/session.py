@@ -9,14 +9,23 @@ from pathlib import Path
 
 import torch
 
-from . import identity, memory, models
-from .config import Config
+from . import adapters, identity, memory, models, plan, sampler
+from .config import Config, logit_temperature
 from .errors import UserError
-from .store import Store, link, write_json
+from .store import Store, link, seed_of, write_json
+
 
 class Session:
-    def __init__(self, cfg: Config):
+    """One run's resolved state, shared by the stages: the config, the store, the device, the models
+    kept resident across the loop, and the digest chain. Stage modules read and use it; they never
+    reach into it: its attributes below are the interface. prepare (stages/prepare.py) sets
+    `prepared`; the driver (stages/train.py `session`) runs it before any stage."""
+
+    def __init__(self, cfg: Config, placement: str | None = None, origin: str = "overrides"):
         self.t0 = time.perf_counter()
+        # how the config was given: "params" (a params file, what `dvc repro` runs) or "overrides"
+        # (conf/ + overrides): a run view made one way is not silently replaced the other (runview)
+        self.origin = origin
         self.timings: dict[str, float] = {}
         self.cfg = cfg
         self.store = Store(cfg.artifacts)
@@ -27,65 +36,97 @@ class Session:
             torch.set_num_threads(cfg.runtime.threads)
         self._prepared: dict | None = None
         self._chain: identity.Chain | None = None
-        self._student = self._teacher = self._engine = None
+        self._student = self._teacher = self._engine = self._tok = None
         self._policy: str | None = None  # digest of the policy whose adapter the student holds
-        self._placement: str | None = None  # memory.placement as the plan resolves it (stages/plan.py)
+        # memory.placement as the plan resolves it (stages/plan.py); a probe may fix it up front
+        self._placement: str | None = placement
         self._on_host: set[str] = set()  # placement swap: the roles waiting in host memory
-        self._chunk: dict[str, int] = {}  # the position chunk that fit after a CUDA OOM, per stage
+        # the resident AdamW between updates: (policy digest it has stepped to, optimizer, named params)
+        self.optimizer: tuple | None = None
+        self.chunk_sizes: dict[str, int] = {}  # the position chunk that fit after a CUDA OOM, per stage
         memory.limit_process(cfg.memory.vram_gib, self.device)
 
     # ---- resident models (loaded on first use, kept for the whole loop) ----
     def student(self):
         if self._student is None:
-            from .store import seed_of
-
             _ = self.placement  # decided (or refused) before any weights load
             base = models.load(self.model_dir("student"), self.cfg.student, self.device, self.dtype)
             if self.cfg.train.activation_checkpointing:  # only active in train() mode, i.e. the update
                 base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self._student = models.add_lora(base, self.cfg.lora, seed_of(self.init_digest()))
-        memory.ensure_on_device(self, "student")
+        self._on_device("student")
         return self._student
 
     def teacher(self):
         if self._teacher is None and self.placement == "shared_backbone":
             self._teacher = memory.shared_teacher(self)  # the student's base, its LoRA disabled: one copy
         if self._teacher is None:
-            self._teacher = models.load(self.model_dir("teacher"), self.cfg.teacher, self.device, self.dtype)
+            teacher = models.load(self.model_dir("teacher"), self.cfg.teacher, self.device, self.dtype)
             if self.cfg.teacher_mode == "protocol_sft":  # base + the SFT teacher adapter, merged
-                from . import sft
-
-                self._teacher = sft.with_teacher_adapter(self, self._teacher)
-        memory.ensure_on_device(self, "teacher")
+                dig = self.chain.teacher_adapter()
+                d = self.store.get("sft", dig)
+                if d is None:
+                    raise UserError(f"teacher_mode=protocol_sft: the teacher adapter sft/{dig[:12]} is not in the "
+                                    "store; run `opd stage sft` (or `opd stage train`) first")
+                teacher = adapters.merged(teacher, d / "adapter", self.cfg.lora)
+            self._teacher = teacher
+        self._on_device("teacher")
         return self._teacher
+
+    def tokenizer(self):
+        """The student's tokenizer (model_dir content-checks its files before anything is read)."""
+        if self._tok is None:
+            from transformers import AutoTokenizer
+
+            self._tok = AutoTokenizer.from_pretrained(self.model_dir("student"))
+        return self._tok
 
     @property
     def placement(self) -> str:
         """resident | swap | shared_backbone: memory.placement, or the plan's choice for auto (weight-free)."""
         if self._placement is None:
-            from . import plan
-
             self._placement, _ = plan.decide(self.cfg)
         return self._placement
 
     def activate(self, role: str) -> None:
-        """The phase about to run uses `role`; under swap the other role waits in host memory."""
-        memory.activate(self, role)
+        """The phase about to run uses `role`. Under placement swap the other role (the student with
+        its moments and rollout engine; or the teacher) waits in host memory; the engine's weights and
+        graphs live on the device, so it is dropped and rebuilt at the next rollout."""
+        if self.placement != "swap" or self.device.type == "cpu":
+            return
+        other = "teacher" if role == "student" else "student"
+        held = self._teacher if other == "teacher" else self._student
+        if held is not None and other not in self._on_host:
+            self.store.flush()  # an update still being written reads the student's tensors where they are
+            if other == "student":
+                self._engine = None
+            memory.move(held, torch.device("cpu"))
+            if other == "student" and self.optimizer:
+                memory.move_moments(self.optimizer[1], torch.device("cpu"))
+            self._on_host.add(other)
+            torch.cuda.empty_cache()  # give the freed blocks back so the incoming role can use them
+        self._on_device(role)
+
+    def _on_device(self, role: str) -> None:
+        """An accessor's promise: the role it returns is on the device (evicts nothing)."""
+        if role in self._on_host:
+            memory.move(self._teacher if role == "teacher" else self._student, self.device)
+            if role == "student" and self.optimizer:
+                memory.move_moments(self.optimizer[1], self.device)
+            self._on_host.discard(role)
 
     def model_dir(self, role: str) -> Path:
         """A materialised model dir, content-hashed before its weights are trusted (recomputed if damaged)."""
         d = self.store.path("model", self.prepared[role])
         if not self.store.verify(d):
-            from . import prepare
-
-            prepare.model_digest(self, getattr(self.cfg, role), role, deep=True)
+            models.ensure(self.store, getattr(self.cfg, role), role, deep=True)
         return d
 
     def use_policy(self, k: int, sample: bool = False):
         """The student holding policy version k (adapter read back from the store). sample=True also
         builds its rollout engine now, so the build stays outside the caller's timed phase."""
         self.activate("student")  # rollout and update: the student's phases
-        student = self.use_adapter(self.policy_dir(k).parent.name, self.policy_digest(k))
+        student = self.use_adapter(self.chain.policy_stage(k), self.policy_digest(k))
         if sample:
             self.engine()
         return student
@@ -98,34 +139,50 @@ class Session:
             self.adapter_changed(dig)
         return student
 
-    def adapter_changed(self, dig: str) -> None:
-        """The resident student now holds policy `dig` (loaded or trained in place)."""
+    def adapter_changed(self, dig: str) -> bool:
+        """The resident student now holds policy `dig` (loaded or trained in place). True when the
+        rollout engine was refreshed in place (CUDA)."""
         self._policy = dig
         if not self._engine:
-            return
+            return False
         if self.device.type == "cuda":
             self._engine.refresh()  # in place: the captured graphs keep reading the same buffers
-        else:
-            # CPU: rebuilt at the next rollout, exactly as a resumed process builds it from the
-            # loaded policy, so an uninterrupted and a resumed run share one construction path
-            self._engine = None
+            return True
+        # CPU: rebuilt at the next rollout, exactly as a resumed process builds it from the loaded
+        # policy, so an uninterrupted and a resumed run share one construction path
+        self._engine = None
+        return False
 
     def engine(self):
         """The rollout engine for the student's current policy (None: transformers fallback)."""
         if self._engine is None:
-            from . import sampler
-
             self._engine = sampler.make(self.student(), self.cfg.rollout.cuda_graphs) or False
         return self._engine or None
 
-    # ---- what prepare published (read back from the run view or recomputed) ----
+    def generate(self, prompt_ids: list[list[int]], max_new: int, seed: int, greedy: bool = False,
+                 min_new: int = 0):
+        """Sample from the student's current policy with the fast engine (or the transformers fallback)."""
+        r, tok = self.cfg.rollout, self.tokenizer()
+        # rollout.temperature 0 is greedy selection (the sampler's argmax path), its log-probs untempered
+        kw = dict(eos=tok.eos_token_id, pad=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                  seed=seed, temperature=logit_temperature(r), top_p=r.top_p, greedy=greedy or r.temperature == 0,
+                  min_new=min_new)
+        eng = self.engine()
+        if eng is not None:
+            return eng.generate(prompt_ids, max_new, **kw)
+        return sampler.hf_generate(self.student(), prompt_ids, max_new, **kw)
+
+    # ---- what prepare published ----
     @property
     def prepared(self) -> dict:
         if self._prepared is None:
-            from . import prepare
-
-            self._prepared = prepare.run(self)
+            raise UserError("internal: prepare has not run in this session (open it with stages.train.session)")
         return self._prepared
+
+    @prepared.setter
+    def prepared(self, record: dict) -> None:
+        self._prepared = record
+        self._chain = None
 
     @property
     def background_publish(self) -> bool:
@@ -230,9 +287,3 @@ def _rss_peak() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def require_tokenizer_match(fp_student: str, fp_teacher: str, s_name: str, t_name: str) -> None:
-    if fp_student != fp_teacher:
-        raise UserError(f"tokenizer mismatch: student {s_name!r} ({fp_student[:12]}) and teacher {t_name!r} "
-                        f"({fp_teacher[:12]}) must share one tokenizer")

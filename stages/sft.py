@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import envs, lmhead, models, objectives, tooluse, update
+from . import adapters, envs, lmhead, models, objectives, prompts, tooluse
 from .envs import protocol
 from .errors import UserError
 from .session import Session, phase
@@ -49,9 +49,7 @@ def verified(env, task, turns: list[dict]) -> bool:
 
 def traces(sess: Session) -> tuple[list[tuple[list[int], list[int], list[int]]], int]:
     """([(prompt_ids, response_ids, response_mask)] of the verified traces, number rejected)."""
-    from .rollout import tokenizer
-
-    tok = tokenizer(sess)
+    tok = sess.tokenizer()
     g = tooluse.glue(tok)
     env = envs.get(sess.cfg.env.name)
     out, rejected = [], 0
@@ -104,20 +102,6 @@ def pack(sess: Session, batch) -> lmhead.Packed:
     return lmhead.pack([b[0] for b in batch], [b[1] for b in batch], [b[2] for b in batch], pad=0, device=sess.device)
 
 
-# ---- digests (stages/identity.py) ----
-
-def cold_start_digest(sess: Session) -> str:
-    return sess.chain.cold_start()
-
-
-def continued_digest(sess: Session, steps: int) -> str:
-    return sess.chain.continued(steps)
-
-
-def teacher_digest(sess: Session) -> str:
-    return sess.chain.teacher_adapter()
-
-
 # ---- the stage ----
 
 def _train(sess: Session, model, dig: str, parent: Path | None, start: int, steps: int, seed: int, tmp: Path,
@@ -126,20 +110,18 @@ def _train(sess: Session, model, dig: str, parent: Path | None, start: int, step
     trs, rejected = traces(sess)
     if not trs:
         raise UserError(f"sft: no verified oracle traces among {rejected} {cfg.env.name} training tasks")
-    opt, named = update.make_optimizer(sess, model, parent / "optimizer.safetensors" if parent else None)
+    opt, named = adapters.make_optimizer(cfg.optim, model, parent / "optimizer.safetensors" if parent else None)
     for gr in opt.param_groups:
         gr["lr"] = cfg.sft.lr
-    from .rollout import batch_indices
-
     key = f"sft:{sess.prepared['tasks_train']}:{seed}"
     state: dict = {"stage": "sft", "digest": dig, "start": start, "steps": steps, "traces": len(trs),
                    "rejected_traces": rejected, "losses": []}
     torch.manual_seed(seed_of(dig))  # LoRA dropout, if any
     model.train()
-    # enable_grad: the teacher adapter may be trained lazily from inside a caller's no_grad block
+    # enable_grad: a caller may hold a no_grad block (SFT trains regardless)
     with phase(sess.device, state) as ph, torch.enable_grad():
         for j in range(start + 1, start + steps + 1):
-            p = pack(sess, [trs[i] for i in batch_indices(len(trs), cfg.sft.batch_size, j, key)])
+            p = pack(sess, [trs[i] for i in prompts.batch_indices(len(trs), cfg.sft.batch_size, j, key)])
             opt.zero_grad(set_to_none=True)
             loss = nll_and_backward(model, p, cfg.train.chunk)
             if not np.isfinite(loss):
@@ -149,15 +131,14 @@ def _train(sess: Session, model, dig: str, parent: Path | None, start: int, step
             state["losses"].append(round(loss, 6))
             ph["tokens"] += int(p.mask.sum())
     model.eval()
-    update.save_adapter(model, tmp / "adapter", base_name)
-    update.save_optimizer(opt, named, tmp / "optimizer.safetensors")
+    adapters.save_adapter(model, tmp / "adapter", base_name)
+    adapters.save_optimizer(opt, named, tmp / "optimizer.safetensors")
     write_json(tmp / "state.json", state)
 
 
 def cold_start(sess: Session) -> Path:
-    """Policy 0 when sft.steps > 0: the fresh LoRA (init) trained on the traces."""
-    update.init(sess)
-    dig = cold_start_digest(sess)
+    """Policy 0 when sft.steps > 0: the fresh LoRA (init, published first by the driver) trained on the traces."""
+    dig = sess.chain.cold_start()
 
     def produce(tmp: Path) -> None:
         student = sess.use_adapter("init", sess.init_digest())
@@ -170,14 +151,10 @@ def cold_start(sess: Session) -> Path:
 
 
 def continued(sess: Session, steps: int) -> tuple[str, str]:
-    """`steps` more SFT steps from policy 0 (optimizer state carried on); returns (stage, digest)."""
-    parent_stage = "sft" if sess.cfg.sft.steps else "init"
-    if parent_stage == "sft":
-        cold_start(sess)
-    else:
-        update.init(sess)
-    parent = sess.policy_digest(0)
-    dig = continued_digest(sess, steps)
+    """`steps` more SFT steps from policy 0 (published first by the driver), optimizer state carried on;
+    returns (stage, digest)."""
+    parent_stage, parent = sess.chain.policy_stage(0), sess.policy_digest(0)
+    dig = sess.chain.continued(steps)
 
     def produce(tmp: Path) -> None:
         student = sess.use_adapter(parent_stage, parent)
@@ -191,7 +168,7 @@ def continued(sess: Session, steps: int) -> tuple[str, str]:
 
 def teacher_adapter(sess: Session) -> Path:
     """A LoRA on the teacher's base trained on the traces (teacher_mode=protocol_sft reads it)."""
-    dig = teacher_digest(sess)
+    dig = sess.chain.teacher_adapter()
 
     def produce(tmp: Path) -> None:
         cfg = sess.cfg
@@ -203,25 +180,3 @@ def teacher_adapter(sess: Session) -> Path:
 
     d, _ = sess.store.ensure("sft", dig, produce)
     return d
-
-
-def with_teacher_adapter(sess: Session, teacher):
-    """The frozen teacher with the SFT teacher adapter merged in (a plain model again)."""
-    d = teacher_adapter(sess)
-    model = models.add_lora(teacher, sess.cfg.lora, 0)  # init values are overwritten by the load
-    models.load_lora(model, d / "adapter")
-    merged = model.merge_and_unload()
-    merged.eval()
-    merged.requires_grad_(False)
-    return merged
-
-
-def main(sess: Session) -> None:
-    """`opd stage sft`: publish the SFT stages the config asks for."""
-    cfg = sess.cfg
-    if cfg.env.name is None or not (cfg.sft.steps or cfg.teacher_mode == "protocol_sft"):
-        raise UserError("opd stage sft needs env.name and sft.steps > 0 (cold start) or teacher_mode=protocol_sft")
-    if cfg.sft.steps:
-        print(f"sft cold start (policy 0): {cold_start(sess)}")
-    if cfg.teacher_mode == "protocol_sft":
-        print(f"sft teacher adapter: {teacher_adapter(sess)}")

@@ -297,6 +297,11 @@ def link(target: Path, at: Path) -> None:
     os.replace(tmp, at)
 
 
+def read_state(d: Path) -> dict:
+    """A published stage's state.json (how its computation went: timings, memory, losses)."""
+    return json.loads((d / "state.json").read_text())
+
+
 def write_json(path: Path, obj: Any) -> None:
     """Deterministic JSON (sorted keys), written atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Parquet contracts (DESIGN.md): rollout.parquet, scores.parquet and verl-schema prompt rows.
+"""Parquet contracts (docs/architecture.md): rollout.parquet, scores.parquet and verl-schema prompt rows.
 
 Files are written deterministically (fixed column order, no timestamps); file-level key-value
 metadata carries the stage digest, schema version and tokenizer fingerprint.

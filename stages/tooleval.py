@@ -50,12 +50,10 @@ def summarize(rows: list[dict]) -> dict:
 
 def run(sess: Session, stage: str, policy: str) -> Path:
     """Evaluate the student adapter published by (stage, policy) on the held-out tasks."""
-    from .rollout import tokenizer
-
     dig = sess.chain.tooleval(stage, policy)
 
     def produce(tmp: Path) -> None:
-        cfg, tok = sess.cfg, tokenizer(sess)
+        cfg, tok = sess.cfg, sess.tokenizer()
         env = envs.get(cfg.env.name)
         tasks = tooluse.load_tasks(sess, "test")
         sess.use_adapter(stage, policy)
@@ -78,16 +76,9 @@ def run(sess: Session, stage: str, policy: str) -> Path:
     return d
 
 
-def main(sess: Session, k: int | None = None) -> dict:
-    """`opd stage tooleval [--step N]`: evaluate policy N (default: the last update) on held-out tasks."""
-    from . import train
-    from .errors import UserError
-
-    if sess.cfg.env.name is None:
-        raise UserError("opd stage tooleval needs a tool environment; set env.name")
-    k = sess.cfg.train.updates if k is None else k
-    train.ensure_policy(sess, k)
-    d = run(sess, sess.policy_dir(k).parent.name, sess.policy_digest(k))
+def main(sess: Session, k: int) -> dict:
+    """`opd tooleval [--step N]`: policy k (published) on the held-out tasks."""
+    d = run(sess, sess.chain.policy_stage(k), sess.policy_digest(k))
     m = json.loads((d / "eval.json").read_text())
     print(f"tooleval policy {k}: strict {m['success']:.3f} lenient {m['success_lenient']:.3f} over {m['tasks']} "
           f"held-out tasks, {m['avg_turns']:.2f} turns, invalid-call rate {m['invalid_call_rate']:.3f} ({d})")

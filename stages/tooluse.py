@@ -1,4 +1,5 @@
-"""Multi-turn tool-use rollout: episodes on a tool environment (stages/envs/), batched per turn.
+"""Multi-turn tool use: task rows and episodes on a tool environment (stages/envs/), batched per turn.
+The rollout stage (stages/rollout.py `episodes`), SFT traces and the held-out evaluation share them.
 
 A trajectory is one token sequence: the chat-templated system+user prompt (`prompt_ids`), then
 the response: assistant turn 1 (sampled, mask 1), the tool message with its `<tool_result>`
@@ -21,12 +22,10 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from . import envs, identity, tables
+from . import envs, identity, prompts, tables
 from .envs import protocol
 from .envs.task import Task
 from .errors import UserError
-from .session import Session, phase
-from .store import seed_of, write_json
 
 # The block a privileged_context teacher reads in its system message; the student never sees it.
 ORACLE_BLOCK = "\n\nPrivileged solution notes (for you only; the user does not see them):\n{hint}"
@@ -34,7 +33,7 @@ ORACLE_BLOCK = "\n\nPrivileged solution notes (for you only; the user does not s
 
 # ---- task rows (prepare) ----
 
-def prepare_tasks(sess: Session, tokenizer_fp: str) -> dict:
+def prepare_tasks(sess, tokenizer_fp: str) -> dict:
     """Publish the environment's train and test task rows (verl schema) as two store stages.
 
     Two digests, so changing the number of held-out tasks never invalidates a training rollout."""
@@ -54,32 +53,26 @@ def prepare_tasks(sess: Session, tokenizer_fp: str) -> dict:
     return out
 
 
-def load_tasks(sess: Session, part: str) -> list[Task]:
+def load_tasks(sess, part: str) -> list[Task]:
     t = tables.read(sess.store.path("tasks", sess.prepared[f"tasks_{part}"]) / "tasks.parquet")
     return [envs.from_verl_row(r) for r in t.to_pylist()]
 
 
 def initial_ids(tok, env, task: Task) -> list[int]:
-    from .prepare import encode_prompt
-
-    return encode_prompt(tok, protocol.initial_messages(env, task))
+    return prompts.encode_prompt(tok, protocol.initial_messages(env, task))
 
 
 def teacher_ids(tok, env, task: Task) -> list[int]:
     """The privileged_context teacher's prompt: the student's, with the oracle block in the system message."""
-    from .prepare import encode_prompt
-
     msgs = protocol.initial_messages(env, task)
     msgs[0] = {**msgs[0], "content": msgs[0]["content"] + ORACLE_BLOCK.format(hint=task.oracle_hint)}
-    return encode_prompt(tok, msgs)
+    return prompts.encode_prompt(tok, msgs)
 
 
-def with_teacher_prompts(sess: Session, ro: pa.Table) -> pa.Table:
+def with_teacher_prompts(sess, ro: pa.Table) -> pa.Table:
     """rollout rows with prompt_ids swapped for the privileged teacher prompt; responses untouched,
     so the teacher scores exactly the student's tokens (packing aligns by response length)."""
-    from .rollout import tokenizer
-
-    tok, env = tokenizer(sess), envs.get(sess.cfg.env.name)
+    tok, env = sess.tokenizer(), envs.get(sess.cfg.env.name)
     by_uid = {t.uid: t for t in load_tasks(sess, "train")}
     ids = [teacher_ids(tok, env, by_uid[u]) for u in ro.column("task_uid").to_pylist()]
     i = ro.column_names.index("prompt_ids")
@@ -181,21 +174,19 @@ def finish(env, task: Task, t: Traj) -> None:
     ep.success_lenient = bool(env.verify_lenient(task, ep.answer if ep.answer is not None else t.last_text))
 
 
-def run_episodes(sess: Session, env, tasks: list[Task], max_turns: int, max_tokens: int, seed: int,
+def run_episodes(sess, env, tasks: list[Task], max_turns: int, max_tokens: int, seed: int,
                  greedy: bool = False) -> list[Traj]:
-    """One episode per task, all advanced together: one batched generate per turn."""
-    from .rollout import sample, tokenizer
-
-    tok = tokenizer(sess)
+    """One episode per task, all advanced together: one batched generate per turn (sess: a Session
+    whose student holds the policy to sample)."""
+    tok = sess.tokenizer()
     g = glue(tok)
-    student = sess.student()
     trajs = [Traj(task, initial_ids(tok, env, task), protocol.Episode(messages=protocol.initial_messages(env, task)))
              for task in tasks]
     for turn in range(max_turns):
         live = [t for t in trajs if not t.done]
         if not live:
             break
-        out = sample(sess, student, [t.prompt + t.resp for t in live], max_tokens, seed + turn, greedy=greedy)
+        out = sess.generate([t.prompt + t.resp for t in live], max_tokens, seed + turn, greedy=greedy)
         for b, t in enumerate(live):
             n, stopped = int(out.lengths[b]), bool(out.finished[b])
             ids = out.tokens[b, :n].tolist()
@@ -219,40 +210,3 @@ def task_columns(t: Traj) -> dict:
             "success_lenient": ep.success_lenient, "turns": ep.turns, "tool_calls": ep.tool_calls,
             "attempted_calls": t.attempted_calls, "invalid_calls": ep.invalid_calls,
             "parse_errors": ep.parse_errors, "reward": float(ep.success)}
-
-
-# ---- the rollout stage for env.name != null ----
-
-def rollout(sess: Session, k: int) -> Path:
-    from .rollout import batch_indices, tokenizer
-
-    dig = sess.rollout_digest(k)
-
-    def produce(tmp: Path) -> None:
-        cfg, tok = sess.cfg, tokenizer(sess)
-        env = envs.get(cfg.env.name)
-        tasks = load_tasks(sess, "train")
-        idx = batch_indices(len(tasks), cfg.rollout.batch_size, k, f"{sess.prepared['tasks_train']}:{cfg.train.seed}")
-        idx = [i for i in idx for _ in range(cfg.rollout.n)]  # n samples per task, grouped
-        sess.use_policy(k - 1, sample=True)  # engine built before the timed phase
-        state: dict = {"stage": "rollout", "step": k, "digest": dig, "env": cfg.env.name}
-        with phase(sess.device, state) as ph:
-            trajs = run_episodes(sess, env, [tasks[i] for i in idx], cfg.env.max_turns, cfg.env.max_tokens_per_turn,
-                                 seed_of(dig))
-            ph["tokens"] = sum(sum(t.mask) for t in trajs)
-        rows = []
-        for b, (i, t) in enumerate(zip(idx, trajs)):
-            rows.append({
-                "uid": f"s{k:04d}-p{i:05d}-{b % cfg.rollout.n}", "step": k, "policy_version": k - 1,
-                "prompt_index": i, "data_source": envs.data_source(cfg.env.name, t.task.split),
-                "prompt_ids": t.prompt, "response_ids": t.resp, "response_mask": t.mask,
-                "sample_logprobs": t.logprobs, "finish_reason": t.ep.finish_reason,
-                "prompt_text": tok.decode(t.prompt), "response_text": tok.decode(t.resp), **task_columns(t)})
-        state["success_rate"] = round(sum(r["success"] for r in rows) / len(rows), 6)
-        state["reward_mean"] = state["success_rate"]
-        tables.write(tmp / "rollout.parquet", pa.Table.from_pylist(rows, tables.ROLLOUT_WITH_TASK),
-                     {"digest": dig, "tokenizer": sess.prepared["tokenizer"], "env": cfg.env.name})
-        write_json(tmp / "state.json", state)
-
-    d, _ = sess.store.ensure("rollout", dig, produce)
-    return d

@@ -1,4 +1,6 @@
-"""train: the rollout -> score -> update loop in one process with the models resident.
+"""The driver: opens a run (prepare first), publishes policy 0, and runs the rollout -> score ->
+update loop in one process with the models resident. The CLI calls it; it calls the stage modules,
+which never call each other or it (docs/architecture.md, "dependency direction").
 
 Each step's three stages are content-addressed: a published step is read back, never recomputed,
 so a killed run resumes at the first unpublished stage and ends byte-identical to an uninterrupted
@@ -14,26 +16,46 @@ import time
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import rollout, runview, score, update
+from . import prepare, rollout, runview, score, sft, update
+from .config import Config
 from .session import Session
-from .store import fault, write_json
+from .store import fault, read_state, write_json
 
 HISTORY_COLS = ["step", "loss", "kl", "grad_norm", "teacher_topk_mass", "student_topk_mass", "topk_overlap",
                 "rollout_tokens_per_s", "score_tokens_per_s", "update_tokens_per_s", "rollout_wall_s",
                 "score_wall_s", "update_wall_s", "peak_memory_gib", "response_tokens", "reused"]
 
 
-def policy0(sess: Session) -> None:
-    """With sft.steps > 0 policy 0 is the SFT cold start (trained from init); publish it."""
-    if sess.cfg.sft.steps:
-        from . import sft
+def session(cfg: Config, placement: str | None = None, origin: str = "overrides") -> Session:
+    """A Session with prepare's record in place (models materialised, prompts and tasks published).
+    origin: how the config was given (stages/runview.py): "params" (a params file) or "overrides"."""
+    sess = Session(cfg, placement, origin)
+    prepare.run(sess)
+    return sess
 
+
+def policy0(sess: Session) -> None:
+    """Publish policy 0: the fresh LoRA (init), and with sft.steps > 0 the SFT cold start trained from
+    it; with teacher_mode=protocol_sft also the teacher adapter the teacher is built from."""
+    update.init(sess)
+    if sess.cfg.sft.steps:
         sft.cold_start(sess)
+    ensure_teacher(sess)
+
+
+def ensure_teacher(sess: Session) -> None:
+    if sess.cfg.teacher_mode == "protocol_sft":
+        sft.teacher_adapter(sess)
+
+
+def sft_continued(sess: Session, steps: int) -> tuple[str, str]:
+    """`steps` more SFT steps from policy 0 (the benchmark's sft-continued arm); (stage, digest)."""
+    policy0(sess)
+    return sft.continued(sess, steps)
 
 
 def ensure_policy(sess: Session, k: int) -> None:
     """Make policy version k exist in the store (runs the earlier steps if needed)."""
-    update.init(sess)
     policy0(sess)
     for j in range(1, k + 1):
         if sess.store.get("update", sess.update_digest(j)) is None:
@@ -66,7 +88,7 @@ def plan_line(sess: Session) -> str:
 
 
 def history_row(sess: Session, k: int) -> dict:
-    st = {name: update.state(sess.store.path(name, dig)) for name, dig in
+    st = {name: read_state(sess.store.path(name, dig)) for name, dig in
           (("rollout", sess.rollout_digest(k)), ("score", sess.score_digest(k)), ("update", sess.update_digest(k)))}
     u = st["update"]
     mem = [s.get("peak_allocated_gib", s.get("peak_rss_gib")) for s in st.values()]
@@ -84,7 +106,6 @@ def run(sess: Session) -> dict:
     cfg = sess.cfg
     # validate early and set up in dependency order: prepared inputs -> policy 0 -> loop
     prepared = sess.prepared
-    update.init(sess)
     policy0(sess)
     runview.begin(sess)  # the view is this run's from here (another run's steps are removed)
     write_json(sess.run_dir / "config.json", dataclasses.asdict(cfg))

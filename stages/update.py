@@ -7,90 +7,19 @@ change the value. Writes the PEFT adapter dir, optimizer.safetensors and state.j
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from . import lmhead, memory, models, objectives, tables
+from . import adapters, batch, lmhead, memory, models, objectives, tables
 from .config import logit_temperature
 from .errors import UserError
-from .score import packed, read_rollout, subset
 from .session import Session, phase
 from .store import fault, write_json
-
-
-def to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Device -> host in one copy per dtype (hundreds of small LoRA tensors would each sync)."""
-    out: dict[str, torch.Tensor] = {}
-    for dt in {t.dtype for t in tensors.values()}:
-        names = [n for n, t in tensors.items() if t.dtype == dt]
-        flat = torch.cat([tensors[n].detach().reshape(-1) for n in names]).cpu()
-        for n, piece in zip(names, flat.split([tensors[n].numel() for n in names])):
-            out[n] = piece.view(tensors[n].shape).clone()
-    return dict(sorted(out.items()))
-
-
-def make_optimizer(sess: Session, student, state_file: Path | None):
-    """AdamW over the LoRA parameters, state restored from optimizer.safetensors when given."""
-    o = sess.cfg.optim
-    named = models.trainable(student)
-    opt = torch.optim.AdamW([p for _, p in named], lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                            weight_decay=o.weight_decay, foreach=True)
-    if state_file is not None and state_file.exists():
-        sd = load_file(state_file, device=str(named[0][1].device) if named else "cpu")
-        step = sd.pop("__step__", None)
-        for name, p in named:
-            if f"{name}.exp_avg" in sd:
-                # one step tensor per parameter (a shared one is advanced once per parameter by foreach
-                # AdamW: a resumed run would then differ from an uninterrupted one)
-                opt.state[p] = {"step": step.cpu().float().clone() if step is not None else torch.tensor(0.0),
-                                "exp_avg": sd[f"{name}.exp_avg"], "exp_avg_sq": sd[f"{name}.exp_avg_sq"]}
-    return opt, named
-
-
-def save_optimizer(opt, named, path: Path) -> None:
-    out, step = {}, None
-    for name, p in named:
-        st = opt.state.get(p)
-        if st:
-            out[f"{name}.exp_avg"] = st["exp_avg"]
-            out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"]
-            step = st["step"]
-    out = to_cpu(out) if out else out
-    if step is not None:
-        out["__step__"] = torch.as_tensor(step, dtype=torch.float32).reshape(()).cpu()
-    save_file(out, path)
-
-
-def save_adapter(student, out: Path, base_name: str) -> None:
-    """A standard PEFT adapter dir (adapter_model.safetensors + adapter_config.json, what
-    PeftModel.from_pretrained reads); the base path is a stable name so files are byte-reproducible."""
-    from peft import get_peft_model_state_dict
-
-    pc = student.peft_config["default"]
-    pc.base_model_name_or_path = base_name
-    out.mkdir(parents=True, exist_ok=True)
-    # PEFT's "auto" looks up the base's config.json by name (a stable name here, not a path) to see whether
-    # the embeddings changed, and warns when it cannot; they only can when LoRA targets them. Not
-    # targeted: False is what "auto" resolves to, without the lookup (same bytes, no warning).
-    tm = pc.target_modules
-    embeddings = isinstance(tm, str) or any(m in ("embed_tokens", "lm_head") for m in tm)  # (a regex: let PEFT decide)
-    state = get_peft_model_state_dict(student, save_embedding_layers="auto" if embeddings else False)
-    save_file(to_cpu(state), out / "adapter_model.safetensors", metadata={"format": "pt"})
-    pc.save_pretrained(out)
-    # PEFT keeps target_modules as a set: its JSON order follows string hashing, which changes per
-    # process. Sorted, the file is byte-reproducible.
-    cfg_file = out / "adapter_config.json"
-    acfg = json.loads(cfg_file.read_text())
-    if isinstance(acfg.get("target_modules"), list):
-        acfg["target_modules"] = sorted(acfg["target_modules"])
-    acfg["inference_mode"] = True  # what PEFT's own save_pretrained records for a saved adapter
-    cfg_file.write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
 
 
 def load_scores(path: Path, topk: int) -> dict:
@@ -125,7 +54,7 @@ def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch
         kt = torch.as_tensor(keep).to(dev, non_blocking=True)
         mask = p.mask.clone()
         mask[p.rows[~kt], j[~kt]] = 0
-        p, j, sample_lp = subset(p, kt), j[kt], sample_lp[kt]
+        p, j, sample_lp = batch.subset(p, kt), j[kt], sample_lp[kt]
         sc = {name: v[keep] for name, v in sc.items()}
         advantages = advantages[kt] if advantages is not None else None
     # teacher arrays move to the device once, before the forward is queued
@@ -191,12 +120,12 @@ def run(sess: Session, k: int) -> Path:
         t_in = time.perf_counter()
         cfg = sess.cfg
         prev = sess.policy_dir(k - 1)  # init, the SFT cold start, or update k-1
-        ro = read_rollout(sess.store.path("rollout", sess.rollout_digest(k)) / "rollout.parquet")
+        ro = batch.read_rollout(sess.store.path("rollout", sess.rollout_digest(k)) / "rollout.parquet")
         needs = objectives.needs(cfg.objective)
         sc = load_scores(sess.store.path("score", sess.score_digest(k)) / "scores.parquet",
                          cfg.objective.topk if "topk" in needs else 0)
         student = sess.use_policy(k - 1)
-        p = packed(sess, ro)
+        p = batch.packed(ro, sess.device)
         sample_lp = torch.as_tensor(np.concatenate(tables.lists(ro, "sample_logprobs")), device=sess.device)
         keep = sc.pop("selected")
         adv = None
@@ -204,12 +133,12 @@ def run(sess: Session, k: int) -> Path:
             traj = trajectory_advantages(ro, cfg, k)  # [B]
             adv = traj.to(sess.device)[p.rows]  # [n]
         # after an SFT cold start the distillation starts its own Adam moments (the SFT loss's are not its)
-        live = getattr(sess, "_opt", None)
+        live = sess.optimizer
         if live and live[0] == sess.policy_digest(k - 1):  # resident AdamW already holds policy k-1's state
             opt, named = live[1], live[2]
         else:  # after an SFT cold start the distillation starts its own Adam moments (the SFT loss's are not its)
-            opt, named = make_optimizer(sess, student,
-                                        None if prev.parent.name == "sft" else prev / "optimizer.safetensors")
+            opt, named = adapters.make_optimizer(cfg.optim, student,
+                                                 None if prev.parent.name == "sft" else prev / "optimizer.safetensors")
         lr = cfg.optim.lr * min(1.0, k / cfg.optim.warmup_updates) if cfg.optim.warmup_updates else cfg.optim.lr
         for gr in opt.param_groups:
             gr["lr"] = lr
@@ -238,20 +167,19 @@ def run(sess: Session, k: int) -> Path:
             opt.step()
         student.eval()
         t_r = time.perf_counter()
-        sess.adapter_changed(dig)  # the resident student now holds policy k (engine refreshed or dropped)
-        if sess._engine:  # CUDA: refreshed in place (CPU drops it; the next rollout builds it)
-            io["engine_refresh"] = round(time.perf_counter() - t_r, 4)
-        sess._opt = (dig, opt, named)  # ...and the resident AdamW its moments (no reload next step)
+        if sess.adapter_changed(dig):  # the resident student now holds policy k; CUDA: engine refreshed in place
+            io["engine_refresh"] = round(time.perf_counter() - t_r, 4)  # (CPU drops it; the next rollout builds it)
+        sess.optimizer = (dig, opt, named)  # ...and the resident AdamW its moments (no reload next step)
         state.update({k2: round(v, 6) for k2, v in stats.items()}, grad_norm=round(gn, 6))
         state["kl"] = state["loss"] if cfg.objective.name == "forward_kl_topk" else None
 
         def rest(tmp: Path) -> None:  # the writes: on the publish thread under background publishing
             t_s = time.perf_counter()
-            save_adapter(student, tmp / "adapter", f"opd-store/model/{sess.prepared['student']}")
+            adapters.save_adapter(student, tmp / "adapter", f"opd-store/model/{sess.prepared['student']}")
             io["save_adapter"] = round(time.perf_counter() - t_s, 4)
             fault("update.mid", tmp)  # half-written: adapter saved, optimizer not yet
             t_s = time.perf_counter()
-            save_optimizer(opt, named, tmp / "optimizer.safetensors")
+            adapters.save_optimizer(opt, named, tmp / "optimizer.safetensors")
             io["save_optimizer"] = round(time.perf_counter() - t_s, 4)
             write_json(tmp / "state.json", state)
 
@@ -270,15 +198,12 @@ def init(sess: Session) -> Path:
 
     def produce(tmp: Path) -> None:
         student = sess.student()
-        save_adapter(student, tmp / "adapter", f"opd-store/model/{sess.prepared['student']}")
+        adapters.save_adapter(student, tmp / "adapter", f"opd-store/model/{sess.prepared['student']}")
         save_file({}, tmp / "optimizer.safetensors")
         n_train = sum(q.numel() for _, q in models.trainable(student))
         write_json(tmp / "state.json", {"stage": "init", "digest": dig, "trainable_params": n_train})
-        sess._policy = dig
+        sess.adapter_changed(dig)
 
     d, _ = sess.store.ensure("init", dig, produce)
     return d
 
-
-def state(d: Path) -> dict:
-    return json.loads((d / "state.json").read_text())

@@ -24,6 +24,12 @@ TINY += TOKENIZER
 DEFAULT_THREADS = torch.get_num_threads()
 
 
+def seeds(ci: int = 1) -> list[int]:
+    """Seeds for a numerical test's random inputs: `ci` of them by default (CI stays fast), or as many
+    as OPD_TEST_SEEDS says (benchmarks/numerics_sweep.py runs 20 under each CPU capability)."""
+    return list(range(int(os.environ.get("OPD_TEST_SEEDS", ci))))
+
+
 
 def opd(*args: str, cwd: Path, env: dict | None = None, check: bool = True, timeout: int = 600):
     """Run the installed `opd` command; returns CompletedProcess (text)."""
@@ -35,7 +41,6 @@ def opd(*args: str, cwd: Path, env: dict | None = None, check: bool = True, time
 
 
 def session(work: Path, *overrides: str):
-    from stages import config
-    from stages.session import Session
+    from stages import config, train
 
-    return Session(config.compose([*TINY, *overrides], ROOT / "conf"))
+    return train.session(config.compose([*TINY, *overrides], ROOT / "conf"))

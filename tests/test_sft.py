@@ -10,7 +10,8 @@ import torch
 from support import session
 from stages import envs, sft, tooluse, train
 from stages.envs import protocol
-from stages.rollout import tokenizer
+from stages.errors import UserError
+from stages.store import read_state
 
 TOOL = ["env.name=calculator", "env.split=hard", "env.num_train=8", "env.num_test=2", "env.max_turns=3",
         "env.max_tokens_per_turn=8"]
@@ -32,7 +33,7 @@ def test_oracle_traces_verify_and_tampered_ones_do_not(name):
 
 def test_trace_tokens_follow_the_chat_template(work):
     sess = session(work, *TOOL)
-    tok, env = tokenizer(sess), envs.get("calculator")
+    tok, env = sess.tokenizer(), envs.get("calculator")
     task = tooluse.load_tasks(sess, "train")[0]
     turns = env.oracle_trace(task)
     prompt = tooluse.initial_ids(tok, env, task)
@@ -55,13 +56,13 @@ def test_sft_lowers_nll_on_oracle_traces(work):
     d = sft.cold_start(sess)
     after = sft.nll(sess.use_policy(0), p, 64)
     assert after < before - 0.5, (before, after)
-    st = update.state(d)
+    st = read_state(d)
     assert st["traces"] == 8 and len(st["losses"]) == 6 and st["losses"][-1] < st["losses"][0]
 
 
 def test_cold_start_is_policy_0_and_is_reused(work):
     sess = session(work, *TOOL, "sft.steps=2", "train.updates=1")
-    assert sess.policy_digest(0) == sft.cold_start_digest(sess) and sess.policy_dir(0).parent.name == "sft"
+    assert sess.policy_digest(0) == sess.chain.cold_start() and sess.policy_dir(0).parent.name == "sft"
     train.run(sess)
     assert (sess.step_dir(0) / "adapter").resolve() == (sess.policy_dir(0) / "adapter").resolve()
     store = work / "artifacts" / "store"
@@ -73,22 +74,23 @@ def test_cold_start_is_policy_0_and_is_reused(work):
     other = session(work, *TOOL, "sft.steps=2", "train.updates=1", "sft.seed=1")
     assert other.policy_digest(0) != sess.policy_digest(0) and other.rollout_digest(1) != sess.rollout_digest(1)
     # continued SFT carries on from the cold start
-    stage, dig = sft.continued(sess, 2)
+    stage, dig = train.sft_continued(sess, 2)
     assert stage == "sft" and dig != sess.policy_digest(0)
     assert update_state(sess, dig)["start"] == 2
 
 
 def update_state(sess, dig):
-    from stages import update
-
-    return update.state(sess.store.path("sft", dig))
+    return read_state(sess.store.path("sft", dig))
 
 
 def test_protocol_sft_teacher_is_base_plus_adapter(work):
     raw = session(work, *TOOL)
     psft = session(work, *TOOL, "teacher_mode=protocol_sft", "sft.teacher_steps=2", "sft.lr=0.01")
     assert "teacher_adapter" in psft.teacher_inputs() and "teacher_adapter" not in raw.teacher_inputs()
-    ids = torch.tensor([tooluse.initial_ids(tokenizer(raw), envs.get("calculator"),
+    with pytest.raises(UserError, match="teacher adapter sft/.* is not in the store"):
+        psft.teacher()  # the driver publishes it first
+    train.ensure_teacher(psft)
+    ids = torch.tensor([tooluse.initial_ids(raw.tokenizer(), envs.get("calculator"),
                                             tooluse.load_tasks(raw, "train")[0])])
     with torch.no_grad():
         a, b = raw.teacher()(ids).logits, psft.teacher()(ids).logits
@@ -113,9 +115,10 @@ def test_continued_sft_equals_uninterrupted_sft(work):
     # the continuation restores the optimizer state and carries the trace walk on: 2 + 2 steps give
     # exactly the losses (and so the adapter) of 4 steps in one go
     split = session(work, *TOOL, "sft.steps=2", "sft.lr=0.01")
-    stage, dig = sft.continued(split, 2)
+    stage, dig = train.sft_continued(split, 2)
     whole = session(work, *TOOL, "sft.steps=4", "sft.lr=0.01")
-    d = sft.cold_start(whole)
+    train.policy0(whole)
+    d = whole.policy_dir(0)
     first, rest = update_state(split, split.policy_digest(0))["losses"], update_state(split, dig)["losses"]
     assert first + rest == update_state(whole, whole.policy_digest(0))["losses"]
     assert (split.store.path(stage, dig) / "adapter" / "adapter_model.safetensors").read_bytes() == \

@@ -86,9 +86,7 @@ def test_environment_runs_in_the_pipeline(work, name):
     split = "hard" if name == "calculator" else "default"
     sess = session(work, f"env.name={name}", f"env.split={split}", *ENV)
     train.run(sess)
-    from stages.rollout import tokenizer
-
-    tok = tokenizer(sess)
+    tok = sess.tokenizer()
     ro = pq.read_table(sess.step_dir(1) / "rollout.parquet")
     sc = pq.read_table(sess.step_dir(1) / "scores.parquet")
     assert set(tables.ROLLOUT_WITH_TASK.names) <= set(ro.column_names)
@@ -141,9 +139,7 @@ def test_privileged_teacher_prompt_differs_but_scores_the_same_tokens(work):
     ro = pq.read_table(priv.step_dir(1) / "rollout.parquet")
     sc_p = pq.read_table(priv.store.path("score", priv.score_digest(1)) / "scores.parquet")
     sc_r = pq.read_table(raw.store.path("score", raw.score_digest(1)) / "scores.parquet")
-    from stages.rollout import tokenizer
-
-    tok, env = tokenizer(priv), envs.get("calculator")
+    tok, env = priv.tokenizer(), envs.get("calculator")
     tasks = {t.uid: t for t in tooluse.load_tasks(priv, "train")}
     tprompts = [tooluse.teacher_ids(tok, env, tasks[u]) for u in ro.column("task_uid").to_pylist()]
     for sp, tp, uid in zip(ro.column("prompt_ids").to_pylist(), tprompts, ro.column("task_uid").to_pylist()):

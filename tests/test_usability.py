@@ -60,15 +60,15 @@ def test_prompt_plus_response_beyond_the_context_is_one_line(work):
 
 
 def test_temperature_0_is_greedy(work):
-    from stages import rollout, sampler, update
+    from stages import sampler, train
 
     sess = session(work, "rollout.temperature=0")
-    update.init(sess)
+    train.policy0(sess)
     student = sess.use_policy(0, sample=True)
-    tok = rollout.tokenizer(sess)
+    tok = sess.tokenizer()
     prompts = [tok("What is 12 plus 30?").input_ids, tok("Name a colour.").input_ids]
-    a = rollout.sample(sess, student, prompts, 8, seed=1)
-    b = rollout.sample(sess, student, prompts, 8, seed=2)  # another seed: the same tokens
+    a = sess.generate(prompts, 8, seed=1)
+    b = sess.generate(prompts, 8, seed=2)  # another seed: the same tokens
     ref = sampler.hf_generate(student, prompts, 8, eos=tok.eos_token_id, pad=tok.eos_token_id, seed=3, greedy=True)
     for out in (a, b):
         assert torch.equal(out.lengths, ref.lengths) and int(ref.lengths.min()) > 0
@@ -76,7 +76,9 @@ def test_temperature_0_is_greedy(work):
             assert torch.equal(out.tokens[i, :n], ref.tokens[i, :n])
             assert torch.allclose(out.logprobs[i, :n], ref.logprobs[i, :n], atol=1e-4)  # untempered (T = 1)
     hot = session(work, "rollout.temperature=1.0")
-    assert not torch.equal(rollout.sample(hot, hot.use_policy(0, sample=True), prompts, 8, seed=1).tokens, a.tokens)
+    train.policy0(hot)
+    hot.use_policy(0, sample=True)
+    assert not torch.equal(hot.generate(prompts, 8, seed=1).tokens, a.tokens)
     with pytest.raises(Exception, match="rollout.temperature"):
         session(work, "rollout.temperature=-0.5")
 

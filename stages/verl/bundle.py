@@ -117,9 +117,8 @@ def continuation(cfg, done: int) -> tuple[dict, list[dict]]:
 
 
 def export(sess, out: Path, cluster: sizing.Cluster) -> Path:
-    """Write the bundle atomically (temp dir, then rename); returns OUT."""
-    from .. import train
-
+    """Write the bundle atomically (temp dir, then rename); returns OUT. Policy `published(sess)` must
+    be in the store (the CLI has the driver publish policy 0 first: stages/train.py ensure_policy)."""
     cfg = sess.cfg
     size = sizing.size(cfg, cluster)  # weight-free: bad numbers fail before any work
     done = published(sess)
@@ -129,8 +128,11 @@ def export(sess, out: Path, cluster: sizing.Cluster) -> Path:
                         f"{max(2 * cfg.train.updates, 1)})")
     cont, dev_cont = continuation(cfg, done)
     deviations = keys.deviations(cfg) + dev_cont
-    train.ensure_policy(sess, done)  # policy 0 (init, or the SFT cold start) may not exist yet
-    pol = sess.policy_dir(done)
+    for role, label in (("student", "base"), ("teacher", "teacher")):  # before any training or copying
+        modeldir.check(sess.store.path("model", sess.prepared[role]), label)
+    pol = sess.store.get(sess.chain.policy_stage(done), sess.policy_digest(done))
+    if pol is None:
+        raise UserError(f"export --verl: policy {done} of run '{cfg.run}' is not in the store; run train first")
     out = Path(out).resolve()
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -15,6 +15,11 @@ import io
 import os
 from pathlib import Path
 
+from ..errors import UserError
+from ..models import tokenizer_fingerprint
+from ..prompts import prompt_ids
+from .data import read_verl_parquet
+
 
 def _ok(detail: str) -> dict:
     return {"ok": True, "detail": detail}
@@ -88,9 +93,6 @@ def forward(tmp: Path, cfg) -> dict:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from ..prepare import prompt_ids
-        from .data import read_verl_parquet
-
         tok = AutoTokenizer.from_pretrained(tmp / "base")
         rows = read_verl_parquet(str(tmp / "data" / "train.parquet"), cfg.data.prompt_key)
         ids = prompt_ids(tok, rows.column(cfg.data.prompt_key)[0].as_py(), cfg.data)
@@ -110,8 +112,6 @@ def forward(tmp: Path, cfg) -> dict:
 def tokenizer(tmp: Path, prepared: dict) -> dict:
     from transformers import AutoTokenizer
 
-    from ..models import tokenizer_fingerprint
-
     try:
         fps = {name: tokenizer_fingerprint(AutoTokenizer.from_pretrained(tmp / name)) for name in ("base", "teacher")}
     except Exception as e:
@@ -125,9 +125,6 @@ def tokenizer(tmp: Path, prepared: dict) -> dict:
 
 
 def parquet(tmp: Path, cfg) -> dict:
-    from ..errors import UserError
-    from .data import read_verl_parquet
-
     need_truth = cfg.objective.name == "pg_k1_rewarded"
     try:
         counts = {}

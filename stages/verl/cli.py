@@ -9,7 +9,7 @@
                [overrides]
     opd data sample --format verl-parquet --out FILE [--rows N] [overrides]
 
-`opd plan` without --profile is the weight-free memory plan of issue 5 (stages/plan.py); with
+`opd plan` without --profile is the weight-free memory plan (stages/plan.py); with
 --profile it maps the verl config first, then plans memory when that planner exists.
 """
 from __future__ import annotations
@@ -17,11 +17,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from .. import config, export, planview, train
+from .. import plan as memory_planner
 from ..errors import UserError
-
-
-def _conf_dir():
-    return Path.cwd() / "conf" if (Path.cwd() / "conf" / "config.yaml").exists() else None
+from ..session import Session
+from . import bundle, compat, data, planfile, sizing
 
 
 def cmd_plan(args) -> None:
@@ -34,17 +34,13 @@ def cmd_plan(args) -> None:
         raise UserError("opd plan --profile: --config FILE|builtin:PAIR is required")
     if getattr(args, "params", None):
         raise UserError("opd plan --profile: the profile composes the config; --params cannot be combined with it")
-    from . import planfile
-
     plan = planfile.make(args.profile, args.config, args.set or [], args.accept or [], args.overrides or [],
-                         _conf_dir(), probe=bool(getattr(args, "probe", False)))
+                         config.conf_dir(), probe=bool(getattr(args, "probe", False)))
     out = planfile.write(plan, Path(args.out or "plan.json"))
     c = plan["mapping"]["counts"]
     mem = plan["memory"]
     if mem is not None:
-        from .. import plan as memory_planner
-
-        memory_planner.render(mem)
+        planview.render(mem)
     print(f"plan: {out} (profile {args.profile}; {c['exact']} exact, {c['reinterpreted']} reinterpreted, "
           f"{c['ignored-informational']} informational fields; memory: {plan['memory_status']})")
     if mem is not None and not mem.get("feasible", True):
@@ -52,26 +48,18 @@ def cmd_plan(args) -> None:
 
 
 def memory_plan_cli(args) -> None:
-    """HOOK for issue 5: `opd plan [overrides] [--out plan.json]` is the memory planner's command."""
-    try:
-        from .. import plan as memory_planner
-    except ImportError:
-        raise UserError("opd plan without --profile is the memory planner (stages/plan.py), which is not "
-                        "available in this build; use --profile NAME --config ...") from None
-    memory_planner.main(args)
+    """`opd plan [overrides] [--out plan.json]` is the memory planner's command."""
+    planview.main(args)
 
 
 def plan_session(args):
     """`opd run --plan`: the Session of a verified plan; None for --dry-run (after printing it)."""
-    from ..session import Session
-    from . import planfile
-
     if args.plan is None:
         raise UserError("opd run --dry-run needs --plan plan.json")
     if args.overrides or args.params:
         raise UserError("opd run --plan: the plan fixes the config; give no overrides or --params "
                         "(plan again with them instead)")
-    plan, cfg = planfile.load(args.plan, _conf_dir())
+    plan, cfg = planfile.load(args.plan, config.conf_dir())
     if args.dry_run:
         c = plan["mapping"]["counts"]
         print(f"plan {args.plan}: profile {plan['profile']}, config {plan['config']}, digest {plan['digest'][:16]}")
@@ -83,12 +71,10 @@ def plan_session(args):
         print(f"  would run: prepare, train, evaluate, export (run '{cfg.run}', artifacts '{cfg.artifacts}'); "
               "nothing was run")
         return None
-    return Session(cfg)
+    return train.session(cfg)
 
 
 def cmd_profiles(args) -> None:
-    from . import compat
-
     if args.action == "list":
         print(compat.profiles_list())
     else:
@@ -98,8 +84,6 @@ def cmd_profiles(args) -> None:
 
 
 def cmd_compat(args) -> None:
-    from . import compat
-
     if args.action == "explain":
         if not args.field:
             raise UserError("opd compat explain FIELD: a field is required")
@@ -115,34 +99,31 @@ def cmd_compat(args) -> None:
 
 
 def cmd_export(args) -> None:
-    from .. import export
-    from ..cli import _session
-
     if args.plan is not None:  # the config of a verified plan (as `opd run --plan` ran it)
-        from ..session import Session
-        from . import planfile
-
         if args.overrides or args.params:
             raise UserError("opd export --plan: the plan fixes the config; give no overrides or --params")
-        sess = Session(planfile.load(args.plan, _conf_dir())[1])
+        cfg = planfile.load(args.plan, config.conf_dir())[1]
     else:
-        sess = _session(args)
-    if args.verl is not None:
-        from . import bundle
-
-        bundle.main(sess, args.verl, args)
-    else:
+        cfg = config.from_args(args.params, args.overrides)
+    if args.verl is None:
+        # the final policy the run view recorded: no prepare (it would rewrite the view's prepare.json
+        # for the config given, which only names the run), nothing computed
+        sess = Session(cfg, origin="params" if args.params else "overrides")
         export.check_selection(sess, args.overrides)
         export.main(sess, args.out, args.merged)
+        return
+    sess = train.session(cfg)
+    # verl continues the run from its last published update (a warm start of the rest): only
+    # policy 0 may need publishing first
+    sizing.size(sess.cfg, bundle.cluster_of(args))  # weight-free: bad numbers fail before any model loads
+    train.ensure_policy(sess, bundle.published(sess))
+    bundle.main(sess, args.verl, args)
 
 
 def cmd_data(args) -> None:
-    from ..cli import _config
-    from . import data
-
     if args.format != "verl-parquet":
         raise UserError(f"--format {args.format!r}: expected verl-parquet")
-    out = data.sample(_config(args), args.rows, Path(args.out))
+    out = data.sample(config.from_args(args.params, args.overrides), args.rows, Path(args.out))
     print(f"wrote {out} ({args.rows} rows, verl schema)")
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from ..errors import UserError
-from . import fields, mapping, rules
+from . import fields, keys, mapping, rules
 
 DOC = "docs/compat.md"
 
@@ -58,7 +58,7 @@ def table_markdown() -> str:
         allowed = r.allowed.desc if r.allowed else "any"
         lines.append(f"| `{_cell(r.pattern)}` | {r.kind} | {_cell(', '.join(r.ours)) or '-'} | {_cell(allowed)} | "
                      f"{_cell(r.note) or '-'} | {len(cov[r.pattern])} |")
-    lines += ["", "## Profiles", ""]
+    lines += [""] + bundle_markdown() + ["", "## Profiles", ""]
     for name in mapping.profile_names():
         lines += profile_markdown(name) + [""]
     lines += ["## Builtin model pairs (`--config builtin:NAME`, or `+pair=NAME` for our own config)", "",
@@ -69,6 +69,22 @@ def table_markdown() -> str:
         lines.append(f"| `{name}` | {s['name']} | {s.get('revision') or '-'} | {t['name']} | "
                      f"{t.get('revision') or '-'} |")
     return "\n".join(lines) + "\n"
+
+
+def bundle_markdown() -> list[str]:
+    """The other direction: what `opd export --verl` writes, each key with where verl 0.8.0 reads it."""
+    out = ["## What a bundle writes (`opd export --verl`), read from verl 0.8.0's source", "",
+           "Every key in a bundle's overrides.txt is **used**: verl reads it at the line given (paths relative to the",
+           "`verl` package; tests/verl/test_compat_docs.py checks each line in the installed verl). Keys marked \"only\"",
+           "are written only when that condition holds. Keys verl accepts but does not read are never written (next",
+           "table); a setting of ours that would need one is a deviation in compat.json, printed as a one-line",
+           "warning, or refused (`launchable: false`) when verl cannot compute the run at all.", "",
+           "| key | verl reads it at | what it does there |", "|---|---|---|"]
+    out += [f"| `{k}` | `{u.where}` | {_cell(u.why)} |" for k, u in keys.USES.items()]
+    out += ["", "### Accepted by verl 0.8.0 but not read on the bundle's path (never written)", "",
+            "| key | verl source | why it has no effect |", "|---|---|---|"]
+    out += [f"| `{k}` | `{u.where}` ({_cell(u.why)}) | {_cell(why)} |" for k, (u, why) in keys.IGNORED.items()]
+    return out
 
 
 def profile_markdown(name: str) -> list[str]:

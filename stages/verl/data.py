@@ -4,8 +4,9 @@ A verl RL row: `data_source`, `prompt` (chat messages: list<struct<role, content
 `data.prompt_key`), `ability`, `reward_model {style, ground_truth}`, `extra_info {split, index, ...}`.
 Only the prompt column is required; `reward_model.ground_truth` enables rule rewards, and
 `extra_info.split == "test"` marks evaluation rows when no separate eval file is given.
-Length policy follows verl's `data.max_prompt_length` / `data.truncation` (prepare.truncate_ids), with
-our rule on top: a prompt over the limit is an error unless a truncation policy was chosen.
+Length: `data.max_prompt_tokens` is verl's `data.max_prompt_length`; a prompt over it is an error unless
+`data.truncation` chooses a cut (prepare.truncate_ids). verl 0.8 itself never reads `data.truncation`: its
+agent loop always keeps a long prompt's last tokens, which is our `left` (docs/compat.md).
 """
 from __future__ import annotations
 

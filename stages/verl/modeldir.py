@@ -86,13 +86,21 @@ def tokenizer_config_for_both(tc: dict, where: str) -> dict:
     return out
 
 
-def write(src: Path, dst: Path, label: str) -> None:
-    """Copy model folder `src` to `dst` (a new dir) in the form both transformers lines read."""
-    src, dst = Path(src), Path(dst)
+def check(src: Path, label: str) -> None:
+    """UserError (one line) unless `src` can be written in the form both transformers lines read."""
+    src = Path(src)
     for need in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         if not (src / need).is_file():
             raise UserError(f"{label}: {need} missing from {src}; a verl bundle needs a Hugging Face model folder "
                             "with a fast tokenizer (tokenizer.json)")
+    config_for_both(_read(src / "config.json"), f"{label}/config.json")
+    tokenizer_config_for_both(_read(src / "tokenizer_config.json"), f"{label}/tokenizer_config.json")
+
+
+def write(src: Path, dst: Path, label: str) -> None:
+    """Copy model folder `src` to `dst` (a new dir) in the form both transformers lines read."""
+    src, dst = Path(src), Path(dst)
+    check(src, label)
     dst.mkdir(parents=True)
     for f in sorted(src.iterdir()):
         if f.is_file() and f.name not in SKIP:

@@ -2,7 +2,7 @@
 
 The plan records what was asked (profile, config, --set, --accept, our overrides), what it maps to
 (our Hydra overrides and the resolved config) and, when the weight-free memory planner exists
-(stages/plan.py, issue 5), its estimate; an infeasible estimate is written, then refused. `digest`
+(stages/plan.py), its estimate; an infeasible estimate is written, then refused. `digest`
 is the sha256 of the canonical JSON of everything else, so `opd run --plan` refuses a plan edited
 after planning; it also recomposes the config from the recorded overrides and refuses to run if
 conf/ has changed since (the plan would be stale).
@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import config as config_mod
+from .. import plan as memory_planner
+from .. import probe as memory_probe
 from ..errors import UserError
+from ..shapes import shape_of
 from . import mapping
 
 SCHEMA = "opd-plan/1"
@@ -32,14 +35,8 @@ def content_digest(plan: dict) -> str:
 
 
 def memory_plan(cfg) -> Optional[dict]:
-    """The weight-free memory plan of `cfg` (issue 5: `stages.plan.estimate(cfg) -> dict`), or None
-    while that planner is not part of the build."""
-    try:
-        from .. import plan as memory_planner  # another module's; may be absent in a partial build
-    except ImportError:
-        return None
-    fn = getattr(memory_planner, "estimate", None)
-    return fn(cfg) if callable(fn) else None
+    """The weight-free memory plan of `cfg` (stages/plan.py)."""
+    return memory_planner.estimate(cfg)
 
 
 def make(profile: str, config: str, sets: list[str], accept: list[str], overrides: list[str],
@@ -50,8 +47,6 @@ def make(profile: str, config: str, sets: list[str], accept: list[str], override
     mem = memory_plan(cfg)
     _check_vocab(cfg, mem, report)
     if probe and mem is not None and mem.get("feasible", True):  # measured peaks beside the estimate (CUDA)
-        from .. import probe as memory_probe
-
         mem["probe"] = memory_probe.run(cfg, mem)
     plan = {
         "schema": SCHEMA,
@@ -78,10 +73,8 @@ def _check_vocab(cfg, mem: Optional[dict], report: dict) -> None:
     vocab = (mem or {}).get("models", {}).get("student", {}).get("vocab")
     if vocab is None:
         try:
-            from ..shapes import shape_of
-
             vocab = shape_of(cfg.student, "student").vocab
-        except (ImportError, UserError):
+        except UserError:
             return  # the model's config is not readable here: prepare checks it before any work
     if cfg.objective.topk > vocab:
         src = next((e["field"] for e in report["fields"] if "objective.topk" in e["ours"]), "objective.topk")

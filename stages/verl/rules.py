@@ -123,10 +123,6 @@ def _lora_targets(v: Any, ctx: dict) -> dict:
     return {"lora.target_modules": OUR_PROJECTIONS if v == "all-linear" else list(v)}
 
 
-def _ignore_eos(v: Any, ctx: dict) -> dict:
-    return {"rollout.min_new_tokens": ctx.get("data.max_response_length")} if v else {}
-
-
 def _floor(v: Any, ctx: dict) -> dict:
     return {"objective.log_prob_min_clamp": NO_FLOOR if v is None else v}
 
@@ -153,6 +149,8 @@ A, R, D, M = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "distillati
     "actor_rollout_ref.model"
 T = "distillation.teacher_models.teacher_model"
 KERNEL = "kernels, memory layout or micro-batching only: the same math"
+PG_ONLY = ("read only with use_policy_gradient, here and in verl (verl/trainer/distillation/losses.py:257); "
+           "ignored otherwise")
 
 RULES: list[Rule] = [
     # ---- data ----
@@ -172,8 +170,10 @@ RULES: list[Rule] = [
          "sampled and evaluated response length", POS_INT),
     Rule("data.train_batch_size", EXACT, ("rollout.batch_size",), "prompts per update (each sampled rollout.n "
          "times)", POS_INT),
-    Rule("data.truncation", EXACT, ("data.truncation",), "error, or cut the templated prompt ids as verl does",
-         only("error", "left", "right", "middle")),
+    Rule("data.truncation", REINTERP, ("data.truncation",), "verl 0.8 assigns it and never reads it "
+         "(verl/utils/dataset/rl_dataset.py:115); its agent loop keeps a long prompt's last max_prompt_length "
+         "tokens (verl/experimental/agent_loop/agent_loop.py:356). left is that; error stops instead (no completed "
+         "run differs); right and middle would compute what verl does not", only("error", "left")),
     Rule("data.filter_overlong_prompts", INFO, (), "over-long prompts are an error or truncated "
          "(data.truncation), never dropped", FALSE),
     Rule("data.shuffle", INFO, (), "each epoch is a seeded permutation of the prompts", only(True)),
@@ -210,8 +210,9 @@ RULES: list[Rule] = [
     Rule(f"{A}.optim.weight_decay", EXACT, ("optim.weight_decay",)),
     Rule(f"{A}.optim.betas", EXACT, ("optim.beta1", "optim.beta2"), convert=_betas),
     Rule(f"{A}.optim.clip_grad", EXACT, ("optim.max_grad_norm",)),
-    Rule(f"{A}.optim.lr_warmup_steps", EXACT, ("optim.warmup_updates",), "linear warmup; -1 uses the ratio",
-         convert=_warmup),
+    Rule(f"{A}.optim.lr_warmup_steps", REINTERP, ("optim.warmup_updates",), "linear warmup W (-1: the ratio); "
+         "verl's update k runs at (k-1)/W of the LR, the first at 0 (verl/utils/torch_functional.py:780), ours at "
+         "k/W: the same from update W on", convert=_warmup),
     Rule(f"{A}.optim.lr_warmup_steps_ratio", REINTERP, ("optim.warmup_updates",), "ratio x "
          "trainer.total_training_steps, rounded down (used when lr_warmup_steps = -1)", convert=_warmup),
     Rule(f"{A}.optim.lr_scheduler_type", INFO, (), "no decay: a step's result must not depend on the run's "
@@ -249,8 +250,9 @@ RULES: list[Rule] = [
     Rule(f"{R}.top_p", EXACT, ("rollout.top_p",)),
     Rule(f"{R}.top_k", INFO, (), "no top-k truncation of sampling", only(-1, 0)),
     Rule(f"{R}.do_sample", INFO, (), "on-policy sampling", only(True)),
-    Rule(f"{R}.ignore_eos", REINTERP, ("rollout.min_new_tokens",), "true: EOS suppressed until "
-         "max_response_length (rollout.min_new_tokens)", convert=_ignore_eos),
+    Rule(f"{R}.ignore_eos", INFO, (), "verl 0.8 declares it (verl/workers/config/rollout.py:193) and never "
+         "passes it to sampling (verl/experimental/agent_loop/agent_loop.py:496): true would mean EOS suppressed "
+         "here and sampled in verl", FALSE),
     Rule(f"{R}.prompt_length", INFO, (), "", same_as("data.max_prompt_length")),
     Rule(f"{R}.response_length", INFO, (), "", same_as("data.max_response_length")),
     Rule(f"{R}.tensor_model_parallel_size", INFO, (), "tensor parallelism needs several GPUs", ONE),
@@ -284,9 +286,10 @@ RULES: list[Rule] = [
          convert=_floor),
     Rule(f"{D}.use_policy_gradient", EXACT, ("objective.use_policy_gradient",)),
     Rule(f"{D}.policy_loss_mode", INFO, (), "vanilla PPO", only("vanilla")),
-    Rule(f"{D}.clip_ratio", EXACT, ("objective.clip_ratio",), convert=_pg_clip("objective.clip_ratio")),
-    Rule(f"{D}.clip_ratio_low", EXACT, ("objective.clip_ratio_low",), convert=_pg_clip("objective.clip_ratio_low")),
-    Rule(f"{D}.clip_ratio_high", EXACT, ("objective.clip_ratio_high",),
+    Rule(f"{D}.clip_ratio", EXACT, ("objective.clip_ratio",), PG_ONLY, convert=_pg_clip("objective.clip_ratio")),
+    Rule(f"{D}.clip_ratio_low", EXACT, ("objective.clip_ratio_low",), PG_ONLY,
+         convert=_pg_clip("objective.clip_ratio_low")),
+    Rule(f"{D}.clip_ratio_high", EXACT, ("objective.clip_ratio_high",), PG_ONLY,
          convert=_pg_clip("objective.clip_ratio_high")),
     Rule("distillation.n_gpus_per_node", REINTERP, (), "the teacher shares the student's device (verl needs a "
          "separate teacher pool)", AT_MOST_ONE),

@@ -31,7 +31,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from .. import plan
 from ..errors import UserError
+from ..shapes import lora_params, shape_of, weight_bytes
 
 GIB = 1 << 30
 BF16 = 2
@@ -106,8 +108,6 @@ def _per_gpu(cfg, gpu_gib: float):
 
 def _update_gib(cfg, m: int, shapes: dict) -> float:
     """Our planner's update-phase total (GiB) for m sequences on one GPU."""
-    from .. import plan
-
     r = dataclasses.replace
     tokens = m * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
     c = r(cfg, rollout=r(cfg.rollout, batch_size=m, n=1), train=r(cfg.train, chunk=tokens),
@@ -117,8 +117,6 @@ def _update_gib(cfg, m: int, shapes: dict) -> float:
 
 def size(cfg, c: Cluster) -> Sizing:
     """The pools, micro-batches and memory settings for `cfg` on cluster `c`; UserError if they cannot be."""
-    from ..shapes import lora_params, shape_of, weight_bytes
-
     _check_cluster(c)
     cfg = _per_gpu(cfg, c.gpu_gib)
     A, T = c.gpus * c.nodes - c.teacher_gpus, c.teacher_gpus

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from support import TINY, opd, session
-from stages import prepare, tables
+from stages import prepare, prompts, tables
 from stages.errors import UserError
 
 
@@ -17,7 +17,7 @@ from stages.errors import UserError
 @pytest.mark.parametrize("n,limit", [(10, 4), (9, 5), (3, 5)])
 def test_truncation_is_verls(policy, n, limit):
     ids = list(range(100, 100 + n))
-    got = prepare.truncate_ids(ids, limit, policy)
+    got = prompts.truncate_ids(ids, limit, policy)
     want = {"left": ids[-limit:], "right": ids[:limit], "middle": ids[:limit // 2] + ids[n - (limit - limit // 2):]}
     assert got == (ids if n <= limit else want[policy])
     verl_tf = pytest.importorskip("verl.utils.torch_functional")
@@ -73,9 +73,8 @@ def test_a_parquet_without_the_prompt_column_is_an_error_naming_it(work):
 def test_over_long_prompts_error_unless_a_truncation_policy_is_chosen(work):
     long = work / "long.parquet"
     _write(long, [[{"role": "user", "content": "word " * 80}]] * 5)
-    sess = session(work, f"data.path={long}", "data.max_prompt_tokens=24")
     with pytest.raises(UserError, match=r"data.max_prompt_tokens = 24.*data.truncation"):
-        prepare.run(sess)
+        session(work, f"data.path={long}", "data.max_prompt_tokens=24")  # prepare runs as the session opens
     from stages import rollout, train
 
     sess = session(work, f"data.path={long}", "data.max_prompt_tokens=24", "data.truncation=left", "train.updates=1")

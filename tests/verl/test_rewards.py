@@ -11,6 +11,7 @@ from support import session
 from stages import objectives, rewards, tables
 from stages.config import compose
 from stages.errors import UserError
+from stages.store import read_state
 from stages.update import trajectory_advantages
 
 
@@ -72,7 +73,7 @@ def test_rollout_scores_rewards_and_pg_k1_rewarded_trains(work):
     assert len(r) == 8 and all(x in (0.0, 1.0) for x in r)
     assert t.column("prompt_index").to_pylist()[::2] == t.column("prompt_index").to_pylist()[1::2]  # grouped
     score.run(sess, 1)
-    st = update.state(update.run(sess, 1))
+    st = read_state(update.run(sess, 1))
     assert st["loss"] == st["loss"] and "task_advantage" in st and st["grad_norm"] > 0
     # prompts without ground truth: no reward (null), never a silent 0
     sess2 = session(work, "data.generator=topics", "train.updates=1")

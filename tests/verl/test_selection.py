@@ -12,6 +12,7 @@ from support import session
 from stages import selection
 from stages.config import SelectionCfg
 from stages.errors import UserError
+from stages.store import read_state
 
 
 def masks(*lens, zero_at=None):
@@ -85,7 +86,7 @@ def test_bad_selection_settings_name_the_key(kw, key):
 
 
 def test_score_records_selection_and_update_trains_on_it(work):
-    from stages import rollout, score, train, update
+    from stages import batch, rollout, score, train, update
 
     sess = session(work, "selection.mode=uniform_ratio", "selection.ratio=0.5", "train.updates=1")
     train.ensure_policy(sess, 0)
@@ -98,14 +99,14 @@ def test_score_records_selection_and_update_trains_on_it(work):
         assert sum(s) == max(1, round(0.5 * len(s)))
         assert all(np.isfinite(x) == bool(k) for x, k in zip(lp, s))  # unselected: never scored (NaN)
     assert pq.read_schema(d / "scores.parquet").metadata[b"opd.selection"] == b"uniform_ratio"
-    st = update.state(d)
+    st = read_state(d)
     assert st["selected_positions"] == sum(map(sum, sel)) and st["response_positions"] == sum(map(len, sel))
     u = update.run(sess, 1)
-    assert update.state(u)["loss"] > 0
+    assert read_state(u)["loss"] > 0
     # replay: the same digest selects the same positions
     from stages.store import seed_of
 
-    ro = score.read_rollout(sess.store.path("rollout", sess.rollout_digest(1)) / "rollout.parquet")
+    ro = batch.read_rollout(sess.store.path("rollout", sess.rollout_digest(1)) / "rollout.parquet")
     again = score.select_positions(sess, ro, seed_of(st["digest"]))
     assert again.astype(int).tolist() == [x for s in sel for x in s]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import re
 import signal
 import sys
 import threading
@@ -32,7 +33,22 @@ STAGES = ("prepare", "init", "rollout", "score", "update", "train", "evaluate", 
 def _session(args):
     from . import config, train
 
-    return train.session(config.from_args(args.params, args.overrides))
+    # how the config was given: a view `dvc repro` made (--params) is not silently taken over by an
+    # `opd run` with other overrides, nor the reverse (stages/runview.py)
+    return train.session(config.from_args(args.params, args.overrides), origin=_origin(args))
+
+
+def _origin(args) -> str:
+    return "params" if getattr(args, "params", None) else "overrides"
+
+
+def _export_session(args):
+    """The Session an export of the recorded run needs: no prepare (it would rewrite the view's
+    prepare.json for the config given, which only names the run), nothing computed."""
+    from . import config
+    from .session import Session
+
+    return Session(config.from_args(args.params, args.overrides), origin=_origin(args))
 
 
 def cmd_params(args) -> None:
@@ -65,6 +81,11 @@ def cmd_stage(args) -> None:
     name, k = args.name, args.step
     if name in ("rollout", "score", "update") and k is None:
         raise UserError(f"opd stage {name} needs --step N (1..train.updates)")
+    if name == "export" and getattr(args, "verl", None) is None:  # the recorded run's final policy, nothing run
+        sess = _export_session(args)
+        export.check_selection(sess, args.overrides)
+        export.main(sess, args.out, args.merged)
+        return
     sess = _session(args)
     if name == "prepare":
         prepare.main(sess)
@@ -102,14 +123,11 @@ def cmd_stage(args) -> None:
         k = sess.cfg.train.updates if k is None else k
         train.ensure_policy(sess, k)
         tooleval.main(sess, k)
-    elif name == "export":
-        train.ensure_policy(sess, sess.cfg.train.updates)
-        if getattr(args, "verl", None) is not None:
-            from .verl import bundle
+    elif name == "export":  # --verl (the PEFT export returned above)
+        from .verl import bundle
 
-            bundle.main(sess, args.verl, args)
-        else:
-            export.main(sess, args.out)
+        train.ensure_policy(sess, sess.cfg.train.updates)
+        bundle.main(sess, args.verl, args)
 
 
 def cmd_inspect(args) -> None:
@@ -164,8 +182,9 @@ def cmd_doctor(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="opd", description="On-policy distillation as content-addressed stages")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = argparse.ArgumentParser(prog="opd", description="On-policy distillation as content-addressed stages",
+                                 epilog="`opd COMMAND -h` lists a command's options; README.md has the quick start.")
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
 
     def with_cfg(p):
         p.add_argument("--params", help="a composed params file (e.g. params.yaml) instead of conf/ + overrides")
@@ -173,33 +192,39 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = sub.add_parser("params", help="compose conf/ (+ overrides) into params.yaml")
-    p.add_argument("--out", default="params.yaml")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("--out", default="params.yaml", help="the file to write (default params.yaml, what dvc.yaml reads)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. train.updates=4 objective.topk=16")
     p.set_defaults(fn=cmd_params)
     p = with_cfg(sub.add_parser("run", help="run the whole pipeline without DVC"))
     p.add_argument("--plan", type=Path, help="run a plan.json from `opd plan --profile` (refused if edited)")
     p.add_argument("--dry-run", action="store_true", help="with --plan: show what would run, run nothing")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("stage", help="run one stage")
-    p.add_argument("name", choices=STAGES)
+    p.add_argument("name", choices=STAGES, metavar="NAME", help=f"the stage: {', '.join(STAGES)}")
     with_cfg(p)
-    p.add_argument("--step", type=int)
-    p.add_argument("--out", type=Path, help="export: output dir")
+    p.add_argument("--step", type=int, help="rollout/score/update: the step K (1..train.updates); tooleval: the "
+                   "policy version (default train.updates)")
+    p.add_argument("--out", type=Path, help="export: output dir (default artifacts/export/RUN)")
+    p.add_argument("--merged", action="store_true", help="export: also write merged/, a standalone model with the "
+                   "LoRA merged in (AutoModelForCausalLM, pipeline)")
     p.add_argument("--verl", type=Path, metavar="OUT", help="export: write a verl 0.8 bundle to OUT instead")
     from .verl.cli import bundle_arguments  # export --verl: the cluster it is sized for (--gpus ...)
 
     bundle_arguments(p)
     p.set_defaults(fn=cmd_stage)
-    p = sub.add_parser("inspect", help="print trajectories of a rollout/scores Parquet or a run step")
-    p.add_argument("path", help="rollout.parquet, scores.parquet, a step dir or a run dir")
-    p.add_argument("--step", type=int)
-    p.add_argument("--uid")
+    p = sub.add_parser("inspect", help="print trajectories of a run, a step or a rollout/scores Parquet")
+    p.add_argument("path", nargs="?", metavar="RUN", help="a run (NAME, run=NAME or its dir; default: the run of "
+                   "./params.yaml, else 'default'), a step dir, or a rollout/scores Parquet")
+    p.add_argument("--step", type=int, help="the run's step N (default: its last; --worst searches every step, "
+                   "--uid its own)")
+    p.add_argument("--uid", help="one trajectory by uid, e.g. s0003-p00001-0 (step, prompt, sample)")
     p.add_argument("--worst", type=int, help="the N trajectories with the largest mean teacher-student gap")
-    p.add_argument("--limit", type=int, default=4)
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--limit", type=int, default=4, help="trajectories shown without --uid/--worst (default 4)")
+    p.add_argument("--format", choices=("text", "json"), default="text", help="json: for scripts (default text)")
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("report", help="write one self-contained HTML report of a run")
-    p.add_argument("run", help="a run name (artifacts/runs/RUN) or a run directory")
+    p.add_argument("run", nargs="?", metavar="RUN", help="a run (NAME, run=NAME or its dir; default: the run of "
+                   "./params.yaml, else 'default')")
     p.add_argument("--out", help="output file (default: the run dir's report.html)")
     p.add_argument("--samples", type=int, default=3, help="trajectories shown per sampled step")
     p.add_argument("--artifacts", help="artifacts dir (default: params.yaml's, else ./artifacts)")
@@ -209,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe", action="store_true", help="CUDA: measure one bounded step (no optimizer update)")
     p.set_defaults(fn=cmd_plan)
     p = with_cfg(sub.add_parser("doctor", help="check this machine: versions, CUDA, embedded model, artifacts dir"))
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--format", choices=("text", "json"), default="text", help="json: for scripts (default text)")
     p.set_defaults(fn=cmd_doctor)
     p = sub.add_parser("dvc-yaml", help="write dvc.yaml from the stages' declared reads (--check: compare only)")
     p.add_argument("--check", action="store_true", help="exit 1 if dvc.yaml differs from the declarations")
@@ -224,40 +249,67 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_benchmark)
     p = sub.add_parser("bench", help="systems benchmarks: ours and the peers side by side (GPU)",
                        add_help=False)
-    p.add_argument("which", choices=("systems",))
+    p.add_argument("which", choices=("systems",), help="systems (benchmarks/systems.py; its options follow)")
     p.set_defaults(fn=cmd_bench, overrides=[])  # every further argument goes to the driver
     from .verl.cli import add_commands  # plan, profiles, compat, export, data
 
     add_commands(sub, with_cfg)
+    verbose = "show third-party notices and progress bars (quiet by default)"
+    ap.add_argument("-v", "--verbose", action="store_true", help=verbose)
+    for name, sp in sub.choices.items():  # also after the command: `opd run --verbose ...`
+        if name != "bench" and "--verbose" not in sp._option_string_actions:
+            sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
     return ap
 
 
-def _quiet_libraries() -> None:
+# Third-party notices known to be harmless here, each silenced by its own text (and nothing else):
+# - bitsandbytes, at import on an AVX512-BF16 CPU: an optional kernel package is absent (it falls back
+#   to its own kernel; we never need the other)
+# - transformers' `is_gradient_checkpointing` deprecation: PEFT calls it, not our code
+QUIET_LOGS = {"bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community"}
+QUIET_WARNINGS = [(FutureWarning, "`is_gradient_checkpointing` is deprecated")]
+
+
+def _quiet_libraries(verbose: bool = False) -> None:
+    """Without --verbose: the notices above are dropped, and third-party progress bars (the embedded
+    model's GGUF dequantisation, weight loading, hub) are off; ours show on a terminal only."""
+    import logging
     import os
     import warnings
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*gemm_4bit.*")
+    if verbose:
+        return
+    for name, text in QUIET_LOGS.items():
+        logging.getLogger(name).addFilter(lambda r, text=text: not r.getMessage().startswith(text))
+    for category, text in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(text), category=category)
+    # tqdm reads TQDM_* at import: the GGUF conversion bar (tqdm.auto, not transformers' switch) stays off
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:  # `opd doctor` reports a missing transformers itself
         return
     hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     # overrides may follow options (`opd stage score --step 2 k=v`): collect the leftovers
     args, extra = ap.parse_known_args(argv)
+    if args.cmd is None:  # bare `opd`: the overview of commands
+        if extra:
+            ap.error(f"unrecognized arguments: {' '.join(extra)}")
+        ap.print_help()
+        return 0
     if extra and args.fn is cmd_bench:
         args.overrides = extra
     elif extra:
         if any(x.startswith("-") for x in extra) or not hasattr(args, "overrides"):
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides or []) + extra
-    _quiet_libraries()
+    _quiet_libraries(args.verbose)
     restore = _install_signal_handlers()
     try:
         args.fn(args)

@@ -61,7 +61,7 @@ class RolloutCfg:
     n: int = 1  # samples per prompt
     max_new_tokens: int = 32
     min_new_tokens: int = 0  # >0 suppresses EOS until then (benchmarks on random weights)
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0: greedy (argmax); log-probs are then of the untempered distribution
     top_p: float = 1.0
     cuda_graphs: bool = True
 
@@ -220,11 +220,12 @@ CHOICES = {
 POSITIVE = (
     "data.num_train", "data.num_eval", "data.max_prompt_tokens", "rollout.batch_size", "rollout.n",
     "rollout.max_new_tokens", "objective.topk", "lora.r", "lora.alpha", "train.updates", "train.chunk",
-    "eval.max_new_tokens", "eval.chunk", "rollout.temperature", "rollout.top_p", "optim.lr",
+    "eval.max_new_tokens", "eval.chunk", "rollout.top_p", "optim.lr",
     "objective.full_vocab_limit",
     "env.max_turns", "env.max_tokens_per_turn", "env.num_train", "env.num_test", "sft.batch_size", "sft.lr",
 )
 NON_NEGATIVE = ("student.keep_layers", "teacher.keep_layers", "rollout.min_new_tokens", "optim.warmup_updates",
+                "rollout.temperature",
                 "runtime.threads", "optim.weight_decay", "optim.max_grad_norm", "sft.steps", "sft.teacher_steps")
 
 
@@ -375,12 +376,19 @@ def write_params(overrides: list[str], out: str | os.PathLike = "params.yaml",
             compose_and_dump(tmp, conf_dir, None, "config", str(out.parent / "hydra_plugins"), list(overrides))
         except (HydraException, OmegaConfBaseException) as e:
             raise UserError(f"override: {str(e).splitlines()[0]}") from None
-        cfg = load(tmp)
+        # validated as what it is, the composed overrides: an error names the key, not this temp file
+        cfg = from_container(OmegaConf.to_container(OmegaConf.load(tmp), resolve=True), "overrides")
         os.replace(tmp, out)
         return cfg
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def logit_temperature(rollout: RolloutCfg) -> float:
+    """The temperature that scales logits into log-probs: rollout.temperature, except that 0 means
+    greedy decoding, whose log-probs are those of the untempered (T = 1) distribution."""
+    return rollout.temperature or 1.0
 
 
 def to_dict(obj: Any) -> Any:

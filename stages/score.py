@@ -12,6 +12,7 @@ import pyarrow as pa
 import torch
 
 from . import batch, lmhead, memory, objectives, selection, tables, tooluse
+from .config import logit_temperature
 from .errors import UserError
 from .session import Session, phase
 from .store import seed_of, write_json
@@ -54,7 +55,7 @@ def run(sess: Session, k: int) -> Path:
         def attempt(chunk: int):  # run again with a halved chunk after a CUDA OOM (memory.chunk_retry)
             h = lmhead.hidden(teacher, ps)  # [n_sel, H]: only selected positions reach the LM head
             return lmhead.score_positions(h, lmhead.head_weight(teacher), ps.targets, chunk,
-                                          kk, cfg.rollout.temperature, want_topk=kk > 0)
+                                          kk, logit_temperature(cfg.rollout), want_topk=kk > 0)
 
         with phase(sess.device, state, tokens=int(ps.targets.numel())), torch.no_grad():
             lp, ids, tlp, ent = memory.chunk_retry(sess, "score", k, state, attempt)

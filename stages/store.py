@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -315,6 +316,8 @@ class Store:
         man = tmp / MANIFEST
         with open(man, "w") as f:
             json.dump({"stage": stage, "digest": dig, "files": files}, f, indent=1, sort_keys=True)
+        for p in [*paths, man]:  # published means immutable: no path into the store is writable
+            os.chmod(p, stat.S_IMODE(os.stat(p).st_mode) & ~0o222)
         _fsync_all([man, tmp])  # the manifest's bytes and the dir's entries, both before the rename
         fault("publish.after_manifest", tmp)
 

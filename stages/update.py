@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from . import adapters, batch, lmhead, memory, models, objectives, tables
+from .config import logit_temperature
 from .errors import UserError
 from .session import Session, phase
 from .store import fault, write_json
@@ -64,7 +65,7 @@ def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch
     h = lmhead.hidden(student, p)  # [n, H], graph through the backbone (LoRA)
     leaf = h.detach().requires_grad_(True)
     head = lmhead.head_weight(student)
-    T = cfg.rollout.temperature
+    T = logit_temperature(cfg.rollout)  # 0 (greedy rollouts): untempered
     h_t = head_t = None
     if "full" in ob.NEEDS:  # a full teacher row per token is too big to store: recompute it here, chunked
         with torch.no_grad():

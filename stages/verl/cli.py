@@ -20,6 +20,7 @@ from pathlib import Path
 from .. import config, export, planview, train
 from .. import plan as memory_planner
 from ..errors import UserError
+from ..session import Session
 from . import bundle, compat, data, planfile, sizing
 
 
@@ -101,18 +102,22 @@ def cmd_export(args) -> None:
     if args.plan is not None:  # the config of a verified plan (as `opd run --plan` ran it)
         if args.overrides or args.params:
             raise UserError("opd export --plan: the plan fixes the config; give no overrides or --params")
-        sess = train.session(planfile.load(args.plan, config.conf_dir())[1])
+        cfg = planfile.load(args.plan, config.conf_dir())[1]
     else:
-        sess = train.session(config.from_args(args.params, args.overrides))
-    if args.verl is not None:
-        # verl continues the run from its last published update (a warm start of the rest): only
-        # policy 0 may need publishing first
-        sizing.size(sess.cfg, bundle.cluster_of(args))  # weight-free: bad numbers fail before any model loads
-        train.ensure_policy(sess, bundle.published(sess))
-        bundle.main(sess, args.verl, args)
-    else:
-        train.ensure_policy(sess, sess.cfg.train.updates)
-        export.main(sess, args.out)
+        cfg = config.from_args(args.params, args.overrides)
+    if args.verl is None:
+        # the final policy the run view recorded: no prepare (it would rewrite the view's prepare.json
+        # for the config given, which only names the run), nothing computed
+        sess = Session(cfg, origin="params" if args.params else "overrides")
+        export.check_selection(sess, args.overrides)
+        export.main(sess, args.out, args.merged)
+        return
+    sess = train.session(cfg)
+    # verl continues the run from its last published update (a warm start of the rest): only
+    # policy 0 may need publishing first
+    sizing.size(sess.cfg, bundle.cluster_of(args))  # weight-free: bad numbers fail before any model loads
+    train.ensure_policy(sess, bundle.published(sess))
+    bundle.main(sess, args.verl, args)
 
 
 def cmd_data(args) -> None:
@@ -153,21 +158,22 @@ def add_commands(sub, with_cfg) -> None:
     names = set(sub.choices)
     if "plan" in names:  # the memory planner registered `opd plan` first: extend its parser
         p = sub.choices["plan"]
-        memory_fn = p.get_default("fn")
         _plan_arguments(p)
-        p.set_defaults(fn=lambda a: cmd_plan(a) if getattr(a, "profile", None) else memory_fn(a))
+        # every `opd plan` goes through cmd_plan: without --profile it refuses --config/--set/--accept
+        # (options only a profile uses: never ignored) and runs the memory planner
+        p.set_defaults(fn=cmd_plan)
     else:
         p = sub.add_parser("plan", help="plan a run: map a verl profile config (--profile) and/or plan memory")
         _plan_arguments(p)
         p.add_argument("overrides", nargs="*", help="our Hydra overrides, applied after the mapped ones")
         p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("profiles", help="list the verl OPD profiles or show one")
-    p.add_argument("action", choices=("list", "show"))
-    p.add_argument("name", nargs="?")
+    p.add_argument("action", choices=("list", "show"), help="list: every profile; show NAME: one profile's settings")
+    p.add_argument("name", nargs="?", help="show: the profile (opd profiles list)")
     p.set_defaults(fn=cmd_profiles)
     p = sub.add_parser("compat", help="explain how a verl field maps here, or print the compatibility table")
-    p.add_argument("action", choices=("explain", "table"))
-    p.add_argument("field", nargs="?")
+    p.add_argument("action", choices=("explain", "table"), help="explain FIELD: one verl field; table: all of them")
+    p.add_argument("field", nargs="?", help="explain: a verl field, e.g. actor_rollout_ref.rollout.temperature")
     p.add_argument("--out", help="table: write to this file (docs/compat.md)")
     p.set_defaults(fn=cmd_compat)
     if "export" not in names:
@@ -175,12 +181,14 @@ def add_commands(sub, with_cfg) -> None:
         p.add_argument("--verl", type=Path, metavar="OUT", help="write a verl 0.8 bundle to OUT instead")
         p.add_argument("--out", type=Path, help="PEFT export dir (default artifacts/export/RUN)")
         p.add_argument("--plan", type=Path, help="use the config of a plan.json (as `opd run --plan`)")
+        p.add_argument("--merged", action="store_true", help="also write merged/, a standalone model with the LoRA "
+                       "merged in")
         bundle_arguments(p)
         p.set_defaults(fn=cmd_export)
     p = sub.add_parser("data", help="data utilities")
     dsub = p.add_subparsers(dest="data_action", required=True)
     p = with_cfg(dsub.add_parser("sample", help="write a verl-schema prompt Parquet from the prompt generator"))
     p.add_argument("--format", default="verl-parquet", help="verl-parquet (the only format)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--out", required=True, help="the Parquet file to write")
+    p.add_argument("--rows", type=int, default=16, help="prompt rows to write (default 16)")
     p.set_defaults(fn=cmd_data)

@@ -319,7 +319,7 @@ def fp32_bound(fn, *inputs, rows: int | None = None, batch: int = 64, rounded_in
     return unflat(refs, spec), unflat(bounds, spec)
 
 
-def fp32_bound_through(inner, outer, *inputs, batch: int = 16):
+def fp32_bound_through(inner, outer, *inputs, batch: int = 32):
     """fp32_bound of y = outer(inner(*inputs)) where inner -> h [n, ...] (a transformer forward:
     positions mix) and outer acts on each row of h alone -> y [n] (LM head + log-softmax per
     position), computed cheaply: outer's own rounding with rows=n, plus inner's rounding carried to

@@ -38,6 +38,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("tokenizer", 1, (), ("gguf",), "prepare"),
     Stage("model", 2, tuple(f"{r}.{k}" for r in ("student", "teacher") for k in MODEL_KEYS), ("parent", "files"),
           "prepare"),
+    # data.path / data.eval_path are read only as "set or not": the files' content hashes (rows,
+    # eval_rows) are the inputs, so the same file at another path is the same stage (`_data`)
     Stage("prepared", 1, ("data", "env", "objective.topk"), ("student", "teacher", "rows", "eval_rows"), "prepare"),
     Stage("prompts", 1, ("data",), ("tokenizer", "rows", "eval_rows"), "prepare"),
     Stage("tasks", 1, ("env.name", "env.split", "env.num_train", "env.num_test", "env.seed"), ("tokenizer",),
@@ -115,14 +117,25 @@ def prepared(cfg: Config, files: dict[str, str], student: str, teacher: str) -> 
     """The checks and records of prepare; `files`: content hashes of the prompt rows (rows, eval_rows)."""
     c = reads(cfg, "prepared")
     _declared("prepared", files)
-    return make("prepared", {**slice_of(c, "data", "env", "objective.topk"), **files},
+    return make("prepared", {**slice_of(c, "env", "objective.topk"), "data": _data(c), **files},
                 {"student": student, "teacher": teacher})
 
 
 def prompts(cfg: Config, tokenizer_fp: str, files: dict[str, str]) -> str:
     c = reads(cfg, "prompts")
     _declared("prompts", files)
-    return make("prompts", {"data": slice_of(c, "data")["data"], "tokenizer": tokenizer_fp, **files}, {})
+    return make("prompts", {"data": _data(c), "tokenizer": tokenizer_fp, **files}, {})
+
+
+# Where a prompt file lives is not what it holds: a file's identity is its content hash (`rows`,
+# `eval_rows`); its path enters a digest only as this marker. A generator's rows (path null) keep
+# their digests.
+FROM_FILE = {"path": "file: content hash in `rows`", "eval_path": "file: content hash in `eval_rows`"}
+
+
+def _data(c: Any) -> dict:
+    d = slice_of(c, "data")["data"]
+    return {k: (FROM_FILE[k] if k in FROM_FILE and v is not None else v) for k, v in d.items()}
 
 
 def tasks(cfg: Config, part: str, tokenizer_fp: str) -> str:

@@ -21,12 +21,19 @@ gamma * sum|terms| for reductions, is carried to every output by the float64 adj
 
     |fp32 output - exact| <= sum over ops of |d output / d op result| * (that op's rounding bound).
 
-First order: terms in u^2 are dropped (relative size ~ the bound itself, < 1e-3 here). A branch
-(clamp, max, where on a computed value) decided differently in fp32 and float64 is not covered; it
-needs a value within its own rounding error (~1e-7 relative) of the branch point, which random
-inputs hit with probability ~1e-7 per element.
+`fp32_bound_through(inner, outer)` computes the same bound for a transformer forward followed by a
+per-position LM head without a vocabulary-sized batched backward.
 
-`check(...)` asserts |got - ref| <= bound element-wise (or norm-wise) and, when OPD_NUMERICS_LOG
+First order: terms in u^2 are dropped; relative to the bound they are about as large as the bound
+is relative to the result. That is negligible where bounds are small (objectives: ~1e-6); where they
+are not (an LM head's 49152-term log-softmax sum, gamma(49151) = 3e-3; a random tiny transformer's
+forward: up to ~0.3 on a log-prob) the bound is a first-order estimate of the worst case, and the
+largest error observed is ~1e-3 of it (benchmarks/results/*-numerics-cpu.md). A branch (clamp, max,
+where on a computed value) decided differently in fp32 and float64 is not covered: it needs a value
+within its own rounding error (~1e-7 relative) of the branch point, which random inputs hit with
+probability ~1e-7 per element.
+
+`check(...)` asserts |got - ref| <= bound element-wise and, when OPD_NUMERICS_LOG
 names a file, appends the largest error/bound ratio it saw (benchmarks/numerics_sweep.py reads it).
 """
 from __future__ import annotations
@@ -87,16 +94,6 @@ def check(got, ref, bound, label: str) -> float:
     _record(label, e, b, r, ok)
     assert ok, (f"{label}: |got - ref| = {e:.3e} > bound {b:.3e} (ratio {r:.2f}) at flat index {worst}; "
                 f"got {float(got.reshape(-1)[worst])!r}, ref {float(ref.reshape(-1)[worst])!r}")
-    return r
-
-
-def check_norm(got, ref, bound: float, label: str) -> float:
-    """Norm-wise ||got - ref||_2 <= bound."""
-    got, ref = torch.as_tensor(got).double(), torch.as_tensor(ref).double()
-    err = float((got - ref).norm())
-    r = err / bound if err else 0.0
-    _record(label, err, bound, r, err <= bound)
-    assert err <= bound, f"{label}: ||got - ref|| = {err:.3e} > bound {bound:.3e} (ratio {r:.2f})"
     return r
 
 
@@ -322,7 +319,7 @@ def fp32_bound(fn, *inputs, rows: int | None = None, batch: int = 64, rounded_in
     return unflat(refs, spec), unflat(bounds, spec)
 
 
-def fp32_bound_through(inner, outer, *inputs, batch: int = 16):
+def fp32_bound_through(inner, outer, *inputs, batch: int = 32):
     """fp32_bound of y = outer(inner(*inputs)) where inner -> h [n, ...] (a transformer forward:
     positions mix) and outer acts on each row of h alone -> y [n] (LM head + log-softmax per
     position), computed cheaply: outer's own rounding with rows=n, plus inner's rounding carried to

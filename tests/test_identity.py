@@ -118,3 +118,16 @@ def test_chain_needs_no_session():
     ch = identity.Chain(cfg, lambda: dict(RUNTIME), PREP)
     assert ch.policy_stage(0) == "init" and ch.policy_stage(3) == "update"
     assert dataclasses.is_dataclass(cfg)  # a plain config, no models, no store
+
+
+def test_a_prompt_file_is_identified_by_its_content_not_its_path():
+    files = {"rows": "e" * 32, "eval_rows": "d" * 32}
+    at = lambda *o: config.compose(BASE + list(o), ROOT / "conf")  # noqa: E731
+    here = at("data.path=/a/train.parquet", "data.eval_path=/a/eval.parquet")
+    there = at("data.path=/elsewhere/x.parquet", "data.eval_path=relative/y.parquet")
+    for fn in (lambda c: identity.prompts(c, "f" * 32, files),
+               lambda c: identity.prepared(c, files, PREP["student"], PREP["teacher"])):
+        assert fn(here) == fn(there)
+        assert fn(here) != fn(at("data.path=/a/train.parquet"))  # the eval rows are part of it
+    other = {"rows": "0" * 32, "eval_rows": "d" * 32}
+    assert identity.prompts(here, "f" * 32, files) != identity.prompts(here, "f" * 32, other)  # content is

@@ -83,6 +83,20 @@ def _spans(mask):
     return out
 
 
+def _turn_ends(masks) -> torch.Tensor:
+    """Flat indices (over all rows' response positions) of each model turn's first and last token:
+    the first token after a tool result is where a wrong context would show first. The derived
+    bounds (numerics.fp32_bound_through) cost one backward per position through a ~450-token forward,
+    so the tool-use checks take these; test_sampler bounds every position, over many seeds."""
+    out, off = [], 0
+    for m in masks:
+        for s, e, v in _spans(m):
+            if v:
+                out += sorted({off + s, off + e - 1})
+        off += len(m)
+    return torch.tensor(out)
+
+
 @pytest.mark.parametrize("name", sorted(envs.REGISTRY))
 def test_environment_runs_in_the_pipeline(work, name):
     split = "hard" if name == "calculator" else "default"
@@ -134,12 +148,13 @@ def test_rollout_logprobs_are_the_students_on_the_whole_trajectory(work, monkeyp
     import transformers.masking_utils as mu
 
     monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)  # traceable: the batch is padded
-    m = torch.from_numpy(mask)
+    m = _turn_ends(ro.column("response_mask").to_pylist())  # each model turn's first and last token
+    assert mask[m.numpy()].all() and len(m) >= 2
     head = tempered_logprob(lmhead.head_weight(student), p.targets[m], sess.cfg.rollout.temperature)
     ref_tf, b_tf = numerics.fp32_bound_through(lambda: lmhead.hidden(student, p)[m], head)
     ref_en, b_en = numerics.fp32_bound_through(lambda: engine_hidden(student, prompts, resps, pad=0)[m], head)
     numerics.check(lp[m], ref_tf, b_tf, "teacher-forced recompute")
-    numerics.check(torch.from_numpy(sampled[mask]), ref_en, b_en, "sampled log-probs")
+    numerics.check(torch.from_numpy(sampled[m.numpy()]), ref_en, b_en, "sampled log-probs")
     numerics.check(ref_en, ref_tf, (b_tf + b_en) * numerics.U64 / numerics.U32, "engine vs teacher-forced, exact")
 
 
@@ -172,18 +187,19 @@ def test_privileged_teacher_prompt_differs_but_scores_the_same_tokens(work, monk
     import transformers.masking_utils as mu
 
     monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)  # traceable: the batch is padded
-    s = torch.from_numpy(scored)
+    s = _turn_ends(ro.column("response_mask").to_pylist())  # each model turn's first and last token
+    assert scored[s.numpy()].all()
     T = priv.cfg.rollout.temperature
     ref, bound = numerics.fp32_bound_through(lambda: lmhead.hidden(teacher, p)[s],
                                              tempered_logprob(lmhead.head_weight(teacher), p.targets[s], T))
-    numerics.check(torch.from_numpy(got[scored]), ref, bound, "score stage, privileged teacher")
+    numerics.check(torch.from_numpy(got[s.numpy()]), ref, bound, "score stage, privileged teacher")
     numerics.check(want[s], ref, bound, "recompute, privileged teacher")
     # the raw teacher scored the same tokens behind the student's prompt: other values, by more than
-    # both computations' rounding bounds (checked where they differ most)
-    raw_lp = np.concatenate(sc_r.column("teacher_logprobs").to_pylist())[scored]
-    i = int(np.abs(got[scored] - raw_lp).argmax())
+    # both computations' rounding bounds (checked where they differ most among these positions)
+    raw_lp = np.concatenate(sc_r.column("teacher_logprobs").to_pylist())[s.numpy()]
+    i = int(np.abs(got[s.numpy()] - raw_lp).argmax())
     pr = lmhead.pack(ro.column("prompt_ids").to_pylist(), resp, mask, pad=0, device="cpu")
-    at = torch.nonzero(s)[i:i + 1, 0]
+    at = s[i:i + 1]
     _, b_raw = numerics.fp32_bound_through(lambda: lmhead.hidden(teacher, pr)[at],
                                            tempered_logprob(lmhead.head_weight(teacher), pr.targets[at], T))
-    assert abs(got[scored][i] - raw_lp[i]) > float(bound[i] + b_raw[0]), (got[scored][i], raw_lp[i], bound[i], b_raw)
+    assert abs(got[s.numpy()][i] - raw_lp[i]) > float(bound[i] + b_raw[0]), (got[s.numpy()][i], raw_lp[i], bound[i], b_raw)

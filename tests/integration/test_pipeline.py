@@ -97,3 +97,33 @@ def test_inspect_prints_tokens_and_gaps(work):
     assert worst[0]["mean_gap"] == max(x["mean_gap"] for x in rows)
     text = opd("inspect", "artifacts/runs/default/step-0001/rollout.parquet", "--limit", "1", cwd=work).stdout
     assert "teacher logp" in text and "prompt" in text
+
+
+def test_moving_the_prompt_files_and_the_artifacts_dir_reuses_every_stage(work):
+    """Identity is content, never location: the same prompt files at other paths and the store in
+    another directory give the same digests, so nothing is recomputed and the run view still works."""
+    a = work / "in-a"
+    a.mkdir()
+    opd("data", "sample", "--out", str(a / "train.parquet"), "--rows", "12", *TINY, cwd=work)
+    opd("data", "sample", "--out", str(a / "eval.parquet"), "--rows", "4", *TINY, "data.seed=3", cwd=work)
+    first = [*TINY, f"data.path={a / 'train.parquet'}", f"data.eval_path={a / 'eval.parquet'}"]
+    opd("run", *first, "train.updates=2", cwd=work)
+    before = store_dirs(work)
+    assert {d.split("/")[0] for d in before} >= {"prepared", "prompts", "init", "rollout", "score", "update", "evaluate"}
+    prep = json.loads((work / "artifacts/runs/default/prepare.json").read_text())
+
+    b = work / "elsewhere" / "prompts"
+    b.mkdir(parents=True)
+    (a / "train.parquet").rename(b / "renamed-train.parquet")
+    (a / "eval.parquet").rename(b / "renamed-eval.parquet")
+    (work / "artifacts").rename(work / "moved-artifacts")
+    moved = [*TINY, f"data.path={b / 'renamed-train.parquet'}", f"data.eval_path={b / 'renamed-eval.parquet'}",
+             "artifacts=moved-artifacts"]
+    r = opd("run", *moved, "train.updates=2", cwd=work)
+    after = {f"{p.parent.name}/{p.name}" for p in (work / "moved-artifacts/store").glob("*/*")
+             if not p.name.startswith(".")}
+    assert after == before  # every stage reused: nothing new in the store
+    assert json.loads((work / "moved-artifacts/runs/default/prepare.json").read_text()) == prep
+    assert "evaluate:" in r.stdout
+    ro = pq.read_table(work / "moved-artifacts/runs/default/step-0002/rollout.parquet")  # links still resolve
+    assert ro.num_rows == 4

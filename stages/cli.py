@@ -42,15 +42,6 @@ def _origin(args) -> str:
     return "params" if getattr(args, "params", None) else "overrides"
 
 
-def _export_session(args):
-    """The Session an export of the recorded run needs: no prepare (it would rewrite the view's
-    prepare.json for the config given, which only names the run), nothing computed."""
-    from . import config
-    from .session import Session
-
-    return Session(config.from_args(args.params, args.overrides), origin=_origin(args))
-
-
 def cmd_params(args) -> None:
     from . import config
 
@@ -76,15 +67,15 @@ def cmd_run(args) -> None:
 
 
 def cmd_stage(args) -> None:
-    from . import evaluate, export, prepare, rollout, score, tooleval, train, update
+    from . import evaluate, prepare, rollout, score, tooleval, train, update
 
     name, k = args.name, args.step
     if name in ("rollout", "score", "update") and k is None:
         raise UserError(f"opd stage {name} needs --step N (1..train.updates)")
-    if name == "export" and getattr(args, "verl", None) is None:  # the recorded run's final policy, nothing run
-        sess = _export_session(args)
-        export.check_selection(sess, args.overrides)
-        export.main(sess, args.out, args.merged)
+    if name == "export":  # one export, whichever verb: `opd export` (stages/verl/cli.py)
+        from .verl.cli import cmd_export
+
+        cmd_export(args)
         return
     sess = _session(args)
     if name == "prepare":
@@ -123,11 +114,6 @@ def cmd_stage(args) -> None:
         k = sess.cfg.train.updates if k is None else k
         train.ensure_policy(sess, k)
         tooleval.main(sess, k)
-    elif name == "export":  # --verl (the PEFT export returned above)
-        from .verl import bundle
-
-        train.ensure_policy(sess, sess.cfg.train.updates)
-        bundle.main(sess, args.verl, args)
 
 
 def cmd_inspect(args) -> None:

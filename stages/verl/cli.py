@@ -99,7 +99,9 @@ def cmd_compat(args) -> None:
 
 
 def cmd_export(args) -> None:
-    if args.plan is not None:  # the config of a verified plan (as `opd run --plan` ran it)
+    """`opd export` and `opd stage export`: the PEFT export of the recorded run, or a verl bundle."""
+    origin = "params" if args.params else "overrides"
+    if getattr(args, "plan", None) is not None:  # the config of a verified plan (as `opd run --plan` ran it)
         if args.overrides or args.params:
             raise UserError("opd export --plan: the plan fixes the config; give no overrides or --params")
         cfg = planfile.load(args.plan, config.conf_dir())[1]
@@ -108,11 +110,11 @@ def cmd_export(args) -> None:
     if args.verl is None:
         # the final policy the run view recorded: no prepare (it would rewrite the view's prepare.json
         # for the config given, which only names the run), nothing computed
-        sess = Session(cfg, origin="params" if args.params else "overrides")
+        sess = Session(cfg, origin=origin)
         export.check_selection(sess, args.overrides)
         export.main(sess, args.out, args.merged)
         return
-    sess = train.session(cfg)
+    sess = train.session(cfg, origin=origin)
     # verl continues the run from its last published update (a warm start of the rest): only
     # policy 0 may need publishing first
     sizing.size(sess.cfg, bundle.cluster_of(args))  # weight-free: bad numbers fail before any model loads

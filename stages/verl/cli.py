@@ -21,7 +21,7 @@ from .. import config, export, planview, train
 from .. import plan as memory_planner
 from ..errors import UserError
 from ..session import Session
-from . import bundle, compat, data, planfile, sizing
+from . import bundle, compat, data, planfile
 
 
 def cmd_plan(args) -> None:
@@ -117,7 +117,7 @@ def cmd_export(args) -> None:
     sess = train.session(cfg, origin=origin)
     # verl continues the run from its last published update (a warm start of the rest): only
     # policy 0 may need publishing first
-    sizing.size(sess.cfg, bundle.cluster_of(args))  # weight-free: bad numbers fail before any model loads
+    bundle.preflight(sess, bundle.cluster_of(args))  # bad numbers or model folders: refused before any training
     train.ensure_policy(sess, bundle.published(sess))
     bundle.main(sess, args.verl, args)
 

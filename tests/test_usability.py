@@ -21,7 +21,8 @@ def test_a_run_prints_no_third_party_notice(work):
     assert [ln.split(":")[0] for ln in r.stderr.splitlines()] == ["step 1/2", "step 2/2"], r.stderr
     assert "train: 2 steps to compute" in r.stdout
     v = opd("stage", "export", "--merged", "--verbose", cwd=work)  # --verbose: the libraries speak again
-    assert "Loading weights" in v.stderr or "%|" in v.stderr, v.stderr
+    # which library speaks depends on the machine (a bar, bitsandbytes' kernel notice, a FutureWarning)
+    assert v.returncode == 0 and NOISE.search(v.stderr), v.stderr
 
 
 def test_the_embedded_model_materialises_quietly(tmp_path):

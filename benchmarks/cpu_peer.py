@@ -83,6 +83,46 @@ def run_proc(cmd: list[str], cwd: Path, env: dict, log: Path, timeout: float | N
             "peak_rss_gib": round(usage.ru_maxrss / 2**20, 3), "log": str(log)}
 
 
+def machine_record(threads: int) -> dict:
+    """CPU model, the ISA extensions that decide the kernels torch picks, thread counts (from
+    /proc/cpuinfo and lscpu where present) and torch's own CPU capability."""
+    import torch
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, val = line.partition(":")
+            if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
+                model = val.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(val.split())
+    except OSError:
+        pass
+    isa = [f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                       "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8") if f in flags]
+    rec = {"cpu": model, "arch": platform.machine(), "isa": isa, "cpu_count": os.cpu_count(),
+           "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+           "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads_per_side": threads}
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in lscpu.splitlines():
+            key, _, val = line.partition(":")
+            if key.strip() in ("Vendor ID", "Model name", "Hypervisor vendor", "Thread(s) per core", "L3 cache"):
+                rec.setdefault("lscpu", {})[key.strip()] = val.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return rec
+
+
+def mv_site_python(site: Path) -> tuple[str, dict]:
+    """miniVERL installed with --target into `site` (no deps: it runs on this interpreter's torch,
+    transformers and peft, the versions recorded beside the result). Installs it when absent."""
+    if not (site / "miniverl" / "__init__.py").exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
+                        "miniverl==0.16.0"], check=True)
+    return sys.executable, {"PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}"}
+
+
 def tail(path: Path, n: int = 3000) -> str:
     return Path(path).read_text(errors="replace")[-n:]
 
@@ -153,19 +193,25 @@ OURS_LAUNCHER = r'''
 import json, sys, time
 from stages import cli, rollout, update
 out_path, argv = sys.argv[1], sys.argv[2:]
-cpu, start = [], {}
-orig_rollout, orig_update = rollout.run, update.run
-def rollout_run(sess, k, *a, **kw):
-    start[k] = time.process_time()
-    return orig_rollout(sess, k, *a, **kw)
-def update_run(sess, k, *a, **kw):
-    try:
-        return orig_update(sess, k, *a, **kw)
-    finally:
-        cpu.append(round(time.process_time() - start[k], 4))
-rollout.run, update.run = rollout_run, update_run
+from stages import score
+cpu, start, phase_cpu = [], {}, {"rollout": [], "score": [], "update": []}
+def timed(mod, name):
+    orig = mod.run
+    def run(sess, k, *a, **kw):
+        c = time.process_time()
+        if name == "rollout":
+            start[k] = c
+        try:
+            return orig(sess, k, *a, **kw)
+        finally:
+            phase_cpu[name].append(round(time.process_time() - c, 4))
+            if name == "update":
+                cpu.append(round(time.process_time() - start[k], 4))
+    mod.run = run
+for mod, name in ((rollout, "rollout"), (score, "score"), (update, "update")):
+    timed(mod, name)
 code = cli.main(argv)
-json.dump({"step_cpu_s": cpu}, open(out_path, "w"))
+json.dump({"step_cpu_s": cpu, "phase_cpu_s": phase_cpu}, open(out_path, "w"))
 sys.exit(code)
 '''
 
@@ -193,6 +239,8 @@ def ours(w: dict, work: Path, prompts: Path, env: dict, name: str, artifacts: Pa
         "response_tokens_per_update": [s["rollout"]["tokens"] for s in steps],
         "losses": [s["policy"]["loss"] for s in steps],
         "cpu_s_per_update": json.loads(out.read_text())["step_cpu_s"] if out.exists() else None,
+        # process CPU time of each stage's run (the stage's IO and publishing included)
+        "phases_cpu_s": json.loads(out.read_text()).get("phase_cpu_s") if out.exists() else None,
     })
     import pyarrow.parquet as pq
 
@@ -242,6 +290,19 @@ def timed(self):
         if len(cycles) == 1:
             marks["first_cycle_end_s"] = time.perf_counter() - T0
 OPDTrainer._run_cycle = timed
+phase_cpu = {"rollout": [], "score": [], "update": []}
+def phase_timed(meth, name):  # process CPU of its rollout collection, teacher scoring, optimizer phase
+    orig_m = getattr(OPDTrainer, meth)
+    def f(self, *a, **kw):
+        c = time.process_time()
+        try:
+            return orig_m(self, *a, **kw)
+        finally:
+            phase_cpu[name].append(round(time.process_time() - c, 4))
+    setattr(OPDTrainer, meth, f)
+for meth, name in (("_collect", "rollout"), ("_build_samples", "score"), ("_optimize", "update")):
+    phase_cpu[name + "_method"] = meth
+    phase_timed(meth, name)
 from miniverl.cli import app
 code = 0
 try:
@@ -252,7 +313,8 @@ except SystemExit as e:
 except Exception as e:
     import traceback; traceback.print_exc(); code = 1
 import importlib.metadata as md
-json.dump({"cycle_wall_s": [round(c, 4) for c in cycles], "cycle_cpu_s": [round(c, 4) for c in cpu], **{k: round(v, 3) for k, v in marks.items()},
+json.dump({"cycle_wall_s": [round(c, 4) for c in cycles], "cycle_cpu_s": [round(c, 4) for c in cpu], "phase_cpu_s": phase_cpu,
+           **{k: round(v, 3) for k, v in marks.items()},
            "torch_threads": torch.get_num_threads(), "rc": code,
            **({"cuda_peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
                "cuda_peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3)} if CUDA else {}),
@@ -356,6 +418,8 @@ def miniverl(w: dict, work: Path, mv_python: str, student: Path, teacher: Path, 
         "prompt_lengths": prompt_lens, "response_lengths": gen_lens,
         "prompt_ids_used": sorted(tuple(t["token_ids"][: t["spans"][0]["end"]]) for t in trajs),
         "cpu_s_per_update": timing.get("cycle_cpu_s"),
+        # process CPU of OPDTrainer._collect / _build_samples / _optimize per cycle (launcher-measured)
+        "phases_cpu_s": {ph: v for ph, v in (timing.get("phase_cpu_s") or {}).items() if not ph.endswith("_method")},
         **{k: timing[k] for k in ("cuda_peak_allocated_gib", "cuda_peak_reserved_gib") if k in timing},
     })
     return res
@@ -369,6 +433,8 @@ def summarize(s: dict) -> None:
     s["median_update_s"] = med(tail_(s["step_wall_s"]))
     s["median_phase_s"] = {ph: med(tail_(v)) for ph, v in s["phases_s"].items()}
     s["median_cpu_s_per_update"] = med(tail_(s["cpu_s_per_update"])) if s.get("cpu_s_per_update") else None
+    if s.get("phases_cpu_s"):
+        s["median_phase_cpu_s"] = {ph: med(tail_(v)) for ph, v in s["phases_cpu_s"].items() if v}
 
 
 def main(argv=None) -> int:
@@ -379,6 +445,9 @@ def main(argv=None) -> int:
     ap.add_argument("--updates", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mv-python", default=DEFAULT_MV_PYTHON, help="python of the venv holding miniverl")
+    ap.add_argument("--mv-site", type=Path, default=Path("/tmp/mvsite"),
+                    help="without --mv-python's venv: miniverl installed (--no-deps --target) here, run on this python")
+    ap.add_argument("--tag", default="", help="suffix of the result files (<date>-cpu-peer<-tag>.json/.md)")
     ap.add_argument("--mv-backends", default="hf_reference,hf_cached")
     ap.add_argument("--no-repeat-ours", action="store_true", help="run ours once (before the peer) only")
     ap.add_argument("--work", type=Path, default=None)
@@ -396,8 +465,13 @@ def main(argv=None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": th, "MKL_NUM_THREADS": th, "CPU_PEER_THREADS": th,
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    mv_env = env
+    if not Path(args.mv_python).exists() and args.mv_backends:
+        args.mv_python, extra = mv_site_python(args.mv_site)
+        mv_env = {**env, **extra, "PYTHONPATH": f"{args.mv_site}:{env['PYTHONPATH']}"}
     started = time.perf_counter()
     load0 = os.getloadavg()
+    loads = {"start": [round(x, 2) for x in load0]}
     print(f"work dir {work}", flush=True)
 
     # 1. models (random weights, SmolLM2 tokenizer) as HF dirs, through our prepare stage; untimed
@@ -428,9 +502,11 @@ def main(argv=None) -> int:
     systems.append(ours(w, work, ours_prompts, env, "ours-a", work / "artifacts"))
     for backend in [b for b in args.mv_backends.split(",") if b]:
         print(f"miniverl ({backend}) ...", flush=True)
-        systems.append(miniverl(w, work, args.mv_python, student, teacher, mv_prompts, env, backend))
+        loads[f"before miniverl-{backend}"] = [round(x, 2) for x in os.getloadavg()]
+        systems.append(miniverl(w, work, args.mv_python, student, teacher, mv_prompts, mv_env, backend))
     if not args.no_repeat_ours:
         print("ours (2) ...", flush=True)
+        loads["before ours (2)"] = [round(x, 2) for x in os.getloadavg()]
         systems.append(ours(w, work, ours_prompts, env, "ours-b", work / "artifacts-b"))
     for s in systems:
         summarize(s)
@@ -470,7 +546,18 @@ def main(argv=None) -> int:
         comparison["ours_median_cpu_s_per_update"] = ours_cpu
         comparison["cpu_ratios_per_arm"] = {s["rollout_backend"]: round(ours_cpu / s["median_cpu_s_per_update"], 3)
                                             for s in ok_mv if ours_cpu and s.get("median_cpu_s_per_update")}
+        cpu_best = min((s for s in ok_mv if s.get("median_cpu_s_per_update")),
+                       key=lambda s: s["median_cpu_s_per_update"], default=None)
+        if cpu_best and all(s.get("phases_cpu_s") for s in ok_ours) and cpu_best.get("median_phase_cpu_s"):
+            ours_ph_cpu = {ph: med([t for s in ok_ours for t in s["phases_cpu_s"][ph][1:]]) for ph in ("rollout", "score", "update")}
+            comparison["ours_median_phase_cpu_s"] = ours_ph_cpu
+            comparison["cpu_miniverl_arm"] = cpu_best["rollout_backend"]
+            comparison["per_phase_cpu_ratio_vs_that_arm"] = {
+                ph: round(ours_ph_cpu[ph] / cpu_best["median_phase_cpu_s"][ph], 3)
+                if cpu_best["median_phase_cpu_s"].get(ph) else None for ph in ours_ph_cpu}
         comparison["target_met"] = comparison["ratio_ours_over_miniverl"] <= 0.5
+        # against miniVERL's arm using the least CPU (the largest of the per-arm ratios)
+        comparison["cpu_target_met"] = bool(comparison["cpu_ratios_per_arm"]) and max(comparison["cpu_ratios_per_arm"].values()) <= 0.5
     else:
         errs = [f"{s['name']}: {s['error'][-400:]}" for s in systems if "error" in s]
         comparison = {"ratio_ours_over_miniverl": None, "why": " | ".join(errs) or "no successful run"}
@@ -484,9 +571,10 @@ def main(argv=None) -> int:
         "date": dt.date.today().isoformat(),
         "command": " ".join(["python", os.path.relpath(__file__, Path.cwd()) if Path(__file__).is_relative_to(Path.cwd())
                              else __file__, *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+        "machine": {**machine_record(args.threads),
                     "loadavg_start": [round(x, 2) for x in load0],
-                    "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
+                    "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+                    "loadavg_during": {**loads, "end": [round(x, 2) for x in os.getloadavg()]}},
         "workload": {**w, "student": "arch:tiny-llama (random)", "teacher": "arch:tiny-llama-teacher (random)",
                      "tokenizer": "SmolLM2 (embedded)", "dtype": "float32", "device": "cpu",
                      "lora": {"r": 16, "alpha": 32, "targets": LORA_TARGETS}, "objective": "forward_kl_topk",
@@ -518,7 +606,7 @@ def main(argv=None) -> int:
         "driver_wall_s": round(time.perf_counter() - started, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"{result['date']}-cpu-peer"
+    stem = args.out / f"{result['date']}-cpu-peer{'-' + args.tag if args.tag else ''}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))

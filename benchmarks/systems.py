@@ -190,7 +190,9 @@ def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
 
     from stages import config, rollout, score, train, update
 
-    sess = train.session(config.compose([*overrides, f"train.updates={done + 2}"]))
+    # its own run name: the profiled run has two more updates, and a run view holds one run
+    over = [o for o in overrides if not o.startswith("run=")] + ["run=profile", f"train.updates={done + 2}"]
+    sess = train.session(config.compose(over))
     train.ensure_policy(sess, done + 1)  # warm: models resident, graphs captured
     k, walls = done + 2, {}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])

@@ -81,10 +81,12 @@ def save_adapter(student, out: Path, base_name: str) -> None:
     pc = student.peft_config["default"]
     pc.base_model_name_or_path = base_name
     out.mkdir(parents=True, exist_ok=True)
-    # save_embedding_layers=False: the vocabulary is never resized here (prepare checks student and teacher
-    # share one tokenizer), so PEFT need not look for the base's config.json to find out (the stable
-    # base name is not a path: it warned "Could not find a config file" on every save)
-    state = get_peft_model_state_dict(student, save_embedding_layers=False)
+    # PEFT's "auto" looks up the base's config.json by name (a stable name here, not a path) to see whether
+    # the embeddings changed, and warns when it cannot; they only can when LoRA targets them. Not
+    # targeted: False is what "auto" resolves to, without the lookup (same bytes, no warning).
+    tm = pc.target_modules
+    embeddings = isinstance(tm, str) or any(m in ("embed_tokens", "lm_head") for m in tm)  # (a regex: let PEFT decide)
+    state = get_peft_model_state_dict(student, save_embedding_layers="auto" if embeddings else False)
     save_file(to_cpu(state), out / "adapter_model.safetensors", metadata={"format": "pt"})
     pc.save_pretrained(out)
     # PEFT keeps target_modules as a set: its JSON order follows string hashing, which changes per

@@ -5,7 +5,8 @@ Pipeline (dvc.yaml's stages; `opd run` runs them all without DVC):
     opd run [overrides]                 prepare, train, evaluate, export; `--plan plan.json [--dry-run]` runs a plan
     opd stage NAME [overrides]          one DVC stage: prepare | train | evaluate | export | report
     opd stage rollout|score|update --step N    one step's stage of train (earlier steps run first if needed)
-    opd stage export [--out DIR | --verl OUT]  the PEFT export, or a verl 0.8 bundle with a launchability report
+    opd stage export [--out DIR] [--merged]    the PEFT export of the run the view records (+ a merged model)
+    opd stage export --verl OUT                a verl 0.8 bundle with a launchability report
     opd dvc-yaml [--check]              dvc.yaml's params and deps from the stages' declared reads
 Tools:
     opd inspect FILE [--step/--uid/--worst N/--format json]
@@ -23,18 +24,18 @@ from __future__ import annotations
 
 import argparse
 import errno
+import re
 import signal
 import sys
-import threading
 from pathlib import Path
 
-from .errors import EXIT_NO_SPACE, Interrupted, UserError
+from .errors import EXIT_NO_SPACE, Interrupted, UserError, install_signal_handlers
 
 STAGES = ("prepare", "train", "evaluate", "export", "report")  # dvc.yaml's stages
 STEPS = ("rollout", "score", "update")  # the per-step stages inside train
 # Old spellings: a one-line error naming the command that does the job now.
 MOVED = {
-    ("export",): "opd stage export [--out DIR | --verl OUT]",
+    ("export",): "opd stage export [--out DIR] [--merged] | opd stage export --verl OUT",
     ("bench",): "opd benchmark systems",
     ("stage", "init"): "opd stage train (policy 0 is its first stage; `opd tooleval --step 0` publishes it alone)",
     ("stage", "sft"): "opd stage train (it publishes the SFT cold start and the protocol_sft teacher adapter first; "
@@ -68,7 +69,13 @@ def _config(args):
 def _session(args):
     from . import train
 
-    return train.session(_config(args))
+    # how the config was given: a view `dvc repro` made (--params) is not silently taken over by an
+    # `opd run` with other overrides, nor the reverse (stages/runview.py)
+    return train.session(_config(args), origin=_origin(args))
+
+
+def _origin(args) -> str:
+    return "params" if getattr(args, "params", None) else "overrides"
 
 
 def cmd_params(args) -> None:
@@ -96,19 +103,22 @@ def cmd_run(args) -> None:
 
 
 def cmd_stage(args) -> None:
-    from . import evaluate, export, prepare, report, rollout, score, train, update
+    from . import evaluate, prepare, report, rollout, score, train, update
 
     name, k = args.name, args.step
     if name in STEPS and k is None:
         raise UserError(f"opd stage {name} needs --step N (1..train.updates)")
     if name not in STEPS and k is not None:
         raise UserError(f"opd stage {name}: --step is for {', '.join(STEPS)}")
-    if name != "export" and (args.out is not None or args.verl is not None):
-        raise UserError(f"opd stage {name}: --out and --verl are for export")
+    if name != "export" and (args.out is not None or args.verl is not None or args.merged):
+        raise UserError(f"opd stage {name}: --out, --merged and --verl are for export")
     if name == "report":  # reads the run view only: no models, no session
         cfg = _config(args)
         run_dir = report.locate(cfg.run, cfg.artifacts)
         print(f"report: {report.write(run_dir, run_dir / 'report.html')}")
+        return
+    if name == "export":
+        _export(args)
         return
     sess = _session(args)
     if name == "prepare":
@@ -118,17 +128,6 @@ def cmd_stage(args) -> None:
     elif name == "evaluate":
         train.ensure_policy(sess, sess.cfg.train.updates)
         evaluate.main(sess)
-    elif name == "export" and args.verl is not None:
-        from .verl import bundle, sizing
-
-        # verl continues the run from its last published update (a warm start of the rest): only
-        # policy 0 may need publishing first
-        sizing.size(sess.cfg, bundle.cluster_of(args))  # weight-free: bad numbers fail before any model loads
-        train.ensure_policy(sess, bundle.published(sess))
-        bundle.main(sess, args.verl, args)
-    elif name == "export":
-        train.ensure_policy(sess, sess.cfg.train.updates)
-        export.main(sess, args.out)
     else:  # one step: the earlier steps are published first
         train.ensure_policy(sess, k - 1)
         d = rollout.run(sess, k)
@@ -137,6 +136,29 @@ def cmd_stage(args) -> None:
             return
         d = score.run(sess, k)
         print(d if name == "score" else update.run(sess, k))
+
+
+def _export(args) -> None:
+    """`opd stage export`: the PEFT export of the run the view recorded, or (--verl) a verl bundle."""
+    from . import export, train
+    from .session import Session
+
+    cfg, origin = _config(args), _origin(args)
+    if args.verl is None:
+        # the final policy the run view recorded: no prepare (it would rewrite the view's prepare.json
+        # for the config given, which only names the run), nothing computed
+        sess = Session(cfg, origin=origin)
+        export.check_selection(sess, args.overrides)
+        export.main(sess, args.out, args.merged)
+        return
+    from .verl import bundle
+
+    sess = train.session(cfg, origin=origin)
+    # verl continues the run from its last published update (a warm start of the rest): only
+    # policy 0 may need publishing first
+    bundle.preflight(sess, bundle.cluster_of(args))  # bad numbers or model folders: refused before any training
+    train.ensure_policy(sess, bundle.published(sess))
+    bundle.main(sess, args.verl, args)
 
 
 def cmd_tooleval(args) -> None:
@@ -202,8 +224,9 @@ def cmd_doctor(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="opd", description="On-policy distillation as content-addressed stages")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = argparse.ArgumentParser(prog="opd", description="On-policy distillation as content-addressed stages",
+                                 epilog="`opd COMMAND -h` lists a command's options; README.md has the quick start.")
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
 
     def with_cfg(p):
         p.add_argument("--params", help="a composed params file (e.g. params.yaml) instead of conf/ + overrides")
@@ -211,18 +234,21 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = sub.add_parser("params", help="compose conf/ (+ overrides) into params.yaml")
-    p.add_argument("--out", default="params.yaml")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("--out", default="params.yaml", help="the file to write (default params.yaml, what dvc.yaml reads)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. train.updates=4 objective.topk=16")
     p.set_defaults(fn=cmd_params)
     p = with_cfg(sub.add_parser("run", help="run the whole pipeline without DVC"))
     p.add_argument("--plan", type=Path, help="run a plan.json from `opd plan --profile` (refused if edited)")
     p.add_argument("--dry-run", action="store_true", help="with --plan: show what would run, run nothing")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("stage", help="run one DVC stage, or one step's rollout/score/update")
-    p.add_argument("name", choices=STAGES + STEPS)
+    p.add_argument("name", choices=STAGES + STEPS, metavar="NAME",
+                   help=f"a DVC stage ({', '.join(STAGES)}) or one step's {', '.join(STEPS)}")
     with_cfg(p)
-    p.add_argument("--step", type=int, help="rollout/score/update: the step (1..train.updates)")
+    p.add_argument("--step", type=int, help="rollout/score/update: the step K (1..train.updates)")
     p.add_argument("--out", type=Path, help="export: output dir (default artifacts/export/RUN)")
+    p.add_argument("--merged", action="store_true", help="export: also write merged/, a standalone model with the "
+                   "LoRA merged in (AutoModelForCausalLM, pipeline)")
     p.add_argument("--verl", type=Path, metavar="OUT", help="export: write a verl 0.8 bundle to OUT instead")
     p.add_argument("--plan", type=Path, help="the config of a plan.json from `opd plan --profile`")
     from .verl.cli import bundle_arguments  # export --verl: the cluster it is sized for (--gpus ...)
@@ -232,16 +258,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_cfg(sub.add_parser("tooleval", help="greedy held-out tool-use episodes of one policy (env.name set)"))
     p.add_argument("--step", type=int, help="the policy version (default train.updates)")
     p.set_defaults(fn=cmd_tooleval, plan=None)
-    p = sub.add_parser("inspect", help="print trajectories of a rollout/scores Parquet or a run step")
-    p.add_argument("path", help="rollout.parquet, scores.parquet, a step dir or a run dir")
-    p.add_argument("--step", type=int)
-    p.add_argument("--uid")
+    p = sub.add_parser("inspect", help="print trajectories of a run, a step or a rollout/scores Parquet")
+    p.add_argument("path", nargs="?", metavar="RUN", help="a run (NAME, run=NAME or its dir; default: the run of "
+                   "./params.yaml, else 'default'), a step dir, or a rollout/scores Parquet")
+    p.add_argument("--step", type=int, help="the run's step N (default: its last; --worst searches every step, "
+                   "--uid its own)")
+    p.add_argument("--uid", help="one trajectory by uid, e.g. s0003-p00001-0 (step, prompt, sample)")
     p.add_argument("--worst", type=int, help="the N trajectories with the largest mean teacher-student gap")
-    p.add_argument("--limit", type=int, default=4)
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--limit", type=int, default=4, help="trajectories shown without --uid/--worst (default 4)")
+    p.add_argument("--format", choices=("text", "json"), default="text", help="json: for scripts (default text)")
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("report", help="write one self-contained HTML report of a run")
-    p.add_argument("run", help="a run name (artifacts/runs/RUN) or a run directory")
+    p.add_argument("run", nargs="?", metavar="RUN", help="a run (NAME, run=NAME or its dir; default: the run of "
+                   "./params.yaml, else 'default')")
     p.add_argument("--out", help="output file (default: the run dir's report.html)")
     p.add_argument("--samples", type=int, default=3, help="trajectories shown per sampled step")
     p.add_argument("--artifacts", help="artifacts dir (default: params.yaml's, else ./artifacts)")
@@ -251,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe", action="store_true", help="CUDA: measure one bounded step (no optimizer update)")
     p.set_defaults(fn=cmd_plan)
     p = with_cfg(sub.add_parser("doctor", help="check this machine: versions, CUDA, embedded model, artifacts dir"))
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--format", choices=("text", "json"), default="text", help="json: for scripts (default text)")
     p.set_defaults(fn=cmd_doctor)
     p = sub.add_parser("dvc-yaml", help="write dvc.yaml from the stages' declared reads (--check: compare only)")
     p.add_argument("--check", action="store_true", help="exit 1 if dvc.yaml differs from the declarations")
@@ -266,46 +295,76 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_benchmark)
-    p = bsub.add_parser("systems", help="ours and the peers side by side (GPU; benchmarks/systems.py)",
-                        add_help=False)
+    p = bsub.add_parser("systems", help="ours and the peers side by side (GPU; benchmarks/systems.py; its options "
+                        "follow)", add_help=False)
     p.set_defaults(fn=cmd_benchmark_systems, overrides=[])  # every further argument goes to the driver
     from .verl.cli import add_commands  # plan --profile, profiles, compat, data
 
     add_commands(sub, with_cfg)
+    verbose = "show third-party notices and progress bars (quiet by default)"
+    ap.add_argument("-v", "--verbose", action="store_true", help=verbose)
+    # also after the command: `opd run --verbose ...`; `opd benchmark systems` passes its arguments to its driver
+    for sp in [*sub.choices.values(), bsub.choices["tooluse"]]:
+        if "--verbose" not in sp._option_string_actions:
+            sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
     return ap
 
 
-def _quiet_libraries() -> None:
+# Third-party notices known to be harmless here, each silenced by its own text (and nothing else):
+# - bitsandbytes, at import on an AVX512-BF16 CPU: an optional kernel package is absent (it falls back
+#   to its own kernel; we never need the other)
+# - transformers' `is_gradient_checkpointing` deprecation: PEFT calls it, not our code
+QUIET_LOGS = {"bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community"}
+QUIET_WARNINGS = [(FutureWarning, "`is_gradient_checkpointing` is deprecated")]
+
+
+def _quiet_libraries(verbose: bool = False) -> None:
+    """Without --verbose: the notices above are dropped, and third-party progress bars (the embedded
+    model's GGUF dequantisation, weight loading, hub) are off; ours show on a terminal only."""
+    import logging
     import os
     import warnings
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*gemm_4bit.*")
+    if verbose:
+        return
+    for name, text in QUIET_LOGS.items():
+        logging.getLogger(name).addFilter(lambda r, text=text: not r.getMessage().startswith(text))
+    for category, text in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(text), category=category)
+    # tqdm reads TQDM_* at import: the GGUF conversion bar (tqdm.auto, not transformers' switch) stays off
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:  # `opd doctor` reports a missing transformers itself
         return
     hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
 
 
 def main(argv: list[str] | None = None) -> int:
+    # before the parser is built: building it imports the libraries, and tqdm and the hub read their
+    # progress-bar switches when imported
     argv = sys.argv[1:] if argv is None else list(argv)
-    if (why := moved(argv)) is not None:
+    if (why := moved([a for a in argv if a not in ("-v", "--verbose")])) is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2
+    _quiet_libraries("-v" in argv or "--verbose" in argv)
     ap = build_parser()
     # overrides may follow options (`opd stage score --step 2 k=v`): collect the leftovers
     args, extra = ap.parse_known_args(argv)
+    if args.cmd is None:  # bare `opd`: the overview of commands
+        if extra:
+            ap.error(f"unrecognized arguments: {' '.join(extra)}")
+        ap.print_help()
+        return 0
     if extra and args.fn is cmd_benchmark_systems:
         args.overrides = extra
     elif extra:
         if any(x.startswith("-") for x in extra) or not hasattr(args, "overrides"):
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides or []) + extra
-    _quiet_libraries()
-    restore = _install_signal_handlers()
+    restore = install_signal_handlers()
     try:
         args.fn(args)
     except UserError as e:
@@ -325,24 +384,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         restore()
     return 0
-
-
-def _install_signal_handlers():
-    """SIGTERM/SIGINT raise Interrupted in the main thread (once; later ones are ignored so the
-    abandoned stage's cleanup finishes). Returns a function restoring the previous handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    sigs = (signal.SIGTERM, signal.SIGINT)
-    old = {s: signal.getsignal(s) for s in sigs}
-
-    def handler(signum, frame):
-        for s in sigs:
-            signal.signal(s, signal.SIG_IGN)
-        raise Interrupted(signum)
-
-    for s in sigs:
-        signal.signal(s, handler)
-    return lambda: [signal.signal(s, h) for s, h in old.items()]
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ class RolloutCfg:
     n: int = 1  # samples per prompt
     max_new_tokens: int = 32
     min_new_tokens: int = 0  # >0 suppresses EOS until then (benchmarks on random weights)
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0: greedy (argmax); log-probs are then of the untempered distribution
     top_p: float = 1.0
     cuda_graphs: bool = True
 
@@ -289,12 +289,19 @@ def write_params(overrides: list[str], out: str | os.PathLike = "params.yaml",
             compose_and_dump(tmp, conf_dir, None, "config", str(out.parent / "hydra_plugins"), list(overrides))
         except (HydraException, OmegaConfBaseException) as e:
             raise UserError(f"override: {str(e).splitlines()[0]}") from None
-        cfg = load(tmp)
+        # validated as what it is, the composed overrides: an error names the key, not this temp file
+        cfg = from_container(OmegaConf.to_container(OmegaConf.load(tmp), resolve=True), "overrides")
         os.replace(tmp, out)
         return cfg
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def logit_temperature(rollout: RolloutCfg) -> float:
+    """The temperature that scales logits into log-probs: rollout.temperature, except that 0 means
+    greedy decoding, whose log-probs are those of the untempered (T = 1) distribution."""
+    return rollout.temperature or 1.0
 
 
 def to_dict(obj: Any) -> Any:

@@ -1,4 +1,9 @@
-"""One exception type for bad input: the CLI prints its one-line message and exits with code 2."""
+"""One exception type for bad input: the CLI prints its one-line message and exits with code 2; the
+exit codes of `opd`; SIGTERM/SIGINT as an exception in the main thread."""
+from __future__ import annotations
+
+import signal
+import threading
 
 
 class UserError(Exception):
@@ -21,3 +26,21 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
+
+
+def install_signal_handlers():
+    """SIGTERM/SIGINT raise Interrupted in the main thread (once; later ones are ignored so the
+    abandoned stage's cleanup finishes). Returns a function restoring the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    old = {s: signal.getsignal(s) for s in sigs}
+
+    def handler(signum, frame):
+        for s in sigs:
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    for s in sigs:
+        signal.signal(s, handler)
+    return lambda: [signal.signal(s, h) for s, h in old.items()]

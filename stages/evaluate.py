@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from . import lmhead, sampler, tables
+from . import lmhead, runview, sampler, tables
 from .prompts import prompt_ids
 from .session import Session, phase
 from .store import write_json
@@ -42,6 +42,7 @@ def measure(sess: Session, student, prompts, responses) -> dict:
 def run(sess: Session) -> dict:
     cfg, K = sess.cfg, sess.cfg.train.updates
     dig = sess.chain.evaluate()
+    runview.check_same_run(sess, "evaluating it")  # metrics.json describes the view's run, no other
 
     def produce(tmp: Path) -> None:
         tok = sess.tokenizer()
@@ -76,9 +77,11 @@ def run(sess: Session) -> dict:
 
 
 def main(sess: Session) -> dict:
+    reused = (sess.store.path("evaluate", sess.chain.evaluate()) / "manifest.json").is_file()
     r = run(sess)
     t = r["initial"]["on_teacher_text"]["kl"], r["final"]["on_teacher_text"]["kl"]
     o = r["initial"]["on_own_text"]["kl"], r["final"]["on_own_text"]["kl"]
     print(f"evaluate: held-out KL(teacher||student) on teacher text {t[0]:.4f} -> {t[1]:.4f}; "
-          f"on own text {o[0]:.4f} -> {o[1]:.4f}")
+          f"on own text {o[0]:.4f} -> {o[1]:.4f}"
+          + (" (published by an earlier run: reused)" if reused else ""))
     return r

@@ -1,33 +1,83 @@
-"""export: a standard PEFT adapter dir, the student base it applies to, and a provenance manifest.
+"""export: the run's final policy as a standard PEFT adapter dir, the student base it applies to, a
+provenance manifest and, with --merged, a standalone model with the LoRA merged into its layers.
 
-    base = AutoModelForCausalLM.from_pretrained("artifacts/export/<run>/base")
-    model = PeftModel.from_pretrained(base, "artifacts/export/<run>/adapter")
+    model = AutoPeftModelForCausalLM.from_pretrained("artifacts/export/<run>/adapter")  # any cwd
+    model = AutoModelForCausalLM.from_pretrained("artifacts/export/<run>/merged")       # --merged
+
+What is exported is what the run view records (stages/runview.py): the final policy of the run
+that made `artifacts/runs/<run>/`, never one computed here from the config given (export never
+trains). Every file is a copy (a reflink where the filesystem has them): nothing in the export is
+a link into the store, so editing an export cannot change a published file.
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
+import json
 import os
 import shutil
 from pathlib import Path
 
-from . import files, models, reproducible
+from . import files, models, reproducible, runview
 from .errors import UserError
 from .session import Session
 from .store import fault, write_json
 
+# config keys that only say which run to export and where its artifacts are: anything else given
+# to `opd stage export` would be a config the export ignores (it exports the recorded run)
+SELECTORS = ("run", "artifacts")
+# the files of a model dir that make up its tokenizer (copied next to the adapter and the merged model)
+TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "chat_template", "vocab", "merges", "added_tokens")
 
-def run(sess: Session, out: Path | None = None) -> Path:
+
+def check_selection(sess: Session, overrides: list[str] | None) -> None:
+    """`opd stage export` exports the run the view recorded: an override that disagrees with that
+    run's config would be ignored, so it is refused (one that agrees, or run=NAME, is fine)."""
+    recorded = sess.run_dir / "config.json"
+    if not overrides or not recorded.is_file():  # no run there: final_policy() says so
+        return
+    now, then = dataclasses.asdict(sess.cfg), json.loads(recorded.read_text())
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key in SELECTORS:
+            continue
+        a, b = _dotted(now, key), _dotted(then, key)
+        if a != b:
+            raise UserError(f"override {o!r}: run {sess.cfg.run!r} was trained with {key}={b!r}; export takes the "
+                            "run's recorded config (give run=NAME, or run this config first under its own name)")
+
+
+def _dotted(d: dict, key: str):
+    for part in key.split("."):
+        d = d.get(part, KeyError) if isinstance(d, dict) else KeyError
+    return d
+
+
+def final_policy(sess: Session) -> tuple[dict, Path]:
+    """(the run view's record, the final policy's published dir); UserError if the run has none."""
+    cfg = sess.cfg
+    rec = runview.read(sess.run_dir)
+    hint = f"run it first (`opd run run={cfg.run}`, or `dvc repro` for the run params.yaml names)"
+    if rec is None or not rec.get("complete"):
+        raise UserError(f"run {cfg.run!r} has no final policy ({sess.run_dir} holds no finished run); {hint}")
+    d = rec["digests"]
+    stage = "update" if rec["updates"] else d["policy0_stage"]
+    pol = sess.store.get(stage, d["final_policy"])
+    if pol is None:
+        raise UserError(f"run {cfg.run!r} has no final policy: {stage}/{d['final_policy'][:12]} is missing or "
+                        f"damaged in {sess.store.root}; {hint}")
+    return rec, pol
+
+
+def run(sess: Session, out: Path | None = None, merged: bool = False) -> Path:
     cfg = sess.cfg
     out = Path(out or Path(cfg.artifacts) / "export" / cfg.run)
-    final = sess.policy_digest(cfg.train.updates)
-    pol = sess.store.get(sess.chain.policy_stage(cfg.train.updates), final)
-    if pol is None:  # the driver publishes it first (stages/train.py ensure_policy)
-        raise UserError(f"export: the final policy {final[:12]} is not in the store; run train first")
+    rec, pol = final_policy(sess)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "a") as lock:  # one exporter per dir (two runs, one view)
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         try:
-            _export(sess, pol, final, out)
+            _export(sess, rec, pol, out, merged)
         except BaseException:  # abandoned (error, SIGTERM): leave no temp dir behind
             shutil.rmtree(out.parent / f".{out.name}.tmp-{os.getpid()}", ignore_errors=True)
             raise
@@ -35,29 +85,59 @@ def run(sess: Session, out: Path | None = None) -> Path:
     return out
 
 
-def _export(sess: Session, pol: Path, final: str, out: Path) -> None:
-    cfg = sess.cfg
+def _export(sess: Session, rec: dict, pol: Path, out: Path, merged: bool) -> None:
     fault("export.before", out)
     for stale in out.parent.glob(f".{out.name}.tmp-*"):  # under the lock: dead writers' leftovers
         shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    files.link_tree(sess.store.path("model", sess.prepared["student"]), tmp / "base")
-    files.link_tree(pol / "adapter", tmp / "adapter")
-    files.rebase_adapter(tmp / "adapter", "../base")  # relative to the adapter dir
+    base = sess.store.get("model", rec["digests"]["prepared"]["student"])  # content-checked before it is copied
+    if base is None:
+        raise UserError(f"run {rec['run']!r}: its student model/{rec['digests']['prepared']['student'][:12]} is "
+                        f"missing or damaged in {sess.store.root}; run it again (prepare rebuilds it)")
+    files.copy_tree(base, tmp / "base")
+    files.copy_tree(pol / "adapter", tmp / "adapter")
+    files.copy_tree(base, tmp / "adapter", TOKENIZER_FILES)  # AutoTokenizer / AutoPeftModel read it from here
+    # absolute: PEFT resolves it against the cwd (AutoPeftModelForCausalLM.from_pretrained(path) from any
+    # directory); the manifest says how to load a moved export
+    files.rebase_adapter(tmp / "adapter", str(out.resolve() / "base"))
+    if merged:
+        _merge(tmp, rec["runtime"]["dtype"])
     sums = {str(p.relative_to(tmp)): files.sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    config = json.loads((sess.run_dir / "config.json").read_text())
     write_json(tmp / "manifest.json", {
-        "run": cfg.run, "versions": models.env_versions(), "stack": reproducible.stack(), "device": sess.device.type,
-        "dtype": str(sess.dtype), "student": cfg.student.name, "teacher": cfg.teacher.name,
-        "digests": {"prepared": sess.prepared, "initial_policy": sess.policy_digest(0), "final_policy": final,
-                    "steps": {k: {"rollout": sess.rollout_digest(k), "score": sess.score_digest(k),
-                                  "update": sess.update_digest(k)} for k in range(1, cfg.train.updates + 1)}},
+        "run": rec["run"], "versions": models.env_versions(), "stack": reproducible.stack(), "device": rec["runtime"]["device"],
+        "dtype": f"torch.{rec['runtime']['dtype']}", "student": config["student"]["name"],
+        "teacher": config["teacher"]["name"],
+        "digests": {"prepared": rec["digests"]["prepared"], "initial_policy": rec["digests"]["initial_policy"],
+                    "final_policy": rec["digests"]["final_policy"], "steps": rec["digests"]["steps"]},
+        "load": {"adapter": "AutoPeftModelForCausalLM.from_pretrained('adapter') (its base path is absolute: "
+                            "after moving this dir, PeftModel.from_pretrained(AutoModelForCausalLM."
+                            "from_pretrained('base'), 'adapter'))",
+                 **({"merged": "AutoModelForCausalLM.from_pretrained('merged')"} if merged else {})},
         "sha256": sums,
     })
     fault("export.before_rename", tmp)
     files.swap_into_place(tmp, out)
 
 
-def main(sess: Session, out: Path | None = None) -> Path:
-    d = run(sess, out)
-    print(f"export: {d}/adapter (PEFT), {d}/base, {d}/manifest.json")
+def _merge(tmp: Path, dtype: str) -> None:
+    """merged/: the base with the LoRA folded into its weights (W + B A * alpha/r), saved as a plain
+    Hugging Face model with its tokenizer: no PEFT needed to load or serve it. In the dtype the run
+    trained in (`dtype`): a bf16-stored base trained in fp32 would lose most of a small LoRA delta to
+    bf16 rounding."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tmp / "base", dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        model = PeftModel.from_pretrained(base, tmp / "adapter").merge_and_unload()
+    model.save_pretrained(tmp / "merged", safe_serialization=True)
+    files.copy_tree(tmp / "base", tmp / "merged", TOKENIZER_FILES)
+
+
+def main(sess: Session, out: Path | None = None, merged: bool = False) -> Path:
+    d = run(sess, out, merged)
+    print(f"export: {d}/adapter (PEFT), {d}/base" + (f", {d}/merged (standalone)" if merged else "")
+          + f", {d}/manifest.json")
     return d

@@ -1,7 +1,8 @@
-"""Directories written outside the store (exports, bundles): hard-linked copies of store files,
-sha256 listings, and the atomic swap of a finished directory into place."""
+"""Directories written outside the store (exports, bundles): copies of store files, sha256 listings,
+and the atomic swap of a finished directory into place."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -10,25 +11,33 @@ from pathlib import Path
 
 # a store dir's own records, not part of what it holds
 STORE_RECORDS = ("manifest.json", "state.json")
+FICLONE = 0x40049409  # Linux ioctl: make dst share src's extents copy-on-write (btrfs, xfs)
 
 
-def link_tree(src: Path, dst: Path) -> None:
-    """The files of store dir `src` in `dst`: hard links where possible (same filesystem, no bytes
-    copied), else copies. A hard link shares its bytes with the store: never write through one."""
+def copy_file(src: Path, dst: Path) -> None:
+    """A copy the destination owns: a reflink (copy-on-write, no bytes duplicated) where the filesystem
+    supports one, else the bytes. Never a hard link: a shared inode would make the store editable."""
+    dst.unlink(missing_ok=True)
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        try:
+            fcntl.ioctl(fo.fileno(), FICLONE, fi.fileno())
+            return
+        except OSError:
+            pass
+    shutil.copyfile(src, dst)
+
+
+def copy_tree(src: Path, dst: Path, names: tuple[str, ...] | None = None) -> None:
+    """The files of a store dir (without its manifest and state), or only those starting with `names`."""
     dst.mkdir(parents=True, exist_ok=True)
     for f in sorted(src.iterdir()):
-        if f.is_file() and f.name not in STORE_RECORDS:
-            target = dst / f.name
-            target.unlink(missing_ok=True)
-            try:
-                os.link(f, target)
-            except OSError:
-                shutil.copy2(f, target)
+        if f.is_file() and f.name not in STORE_RECORDS and (names is None or f.name.startswith(names)):
+            copy_file(f, dst / f.name)
 
 
 def rebase_adapter(adapter_dir: Path, base: str) -> None:
     """Point an exported PEFT adapter at the base it applies to (`base_model_name_or_path`). The
-    config file is a hard link into the store: it is replaced, never written through."""
+    config file is replaced, never written through (it came from the store)."""
     f = adapter_dir / "adapter_config.json"
     acfg = json.loads(f.read_text())
     acfg["base_model_name_or_path"] = base

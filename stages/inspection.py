@@ -2,30 +2,42 @@
 log-prob, the largest teacher-student gaps highlighted. `--format json` for scripts."""
 from __future__ import annotations
 
+import functools
 import json
+import re
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from . import tables
+from . import runview, tables
 from .errors import UserError
 
 
 def _locate(path: Path, step: int | None) -> tuple[Path, Path | None]:
+    """A rollout/scores Parquet or a step dir -> (rollout, scores or None)."""
     if path.is_dir():
-        if step is not None:
+        if step is not None and not (path / "rollout.parquet").exists():
             path = path / f"step-{step:04d}"
-        elif not (path / "rollout.parquet").exists():  # a run dir: its last step
-            steps = sorted(p for p in path.glob("step-*") if (p / "rollout.parquet").exists())
-            if not steps:
-                raise UserError(f"{path}: no step-*/rollout.parquet below it")
-            path = steps[-1]
+        if not (path / "rollout.parquet").exists():
+            raise UserError(f"{path}: no rollout.parquet in it")
         path = path / "rollout.parquet"
     if path.name == "scores.parquet":
         path = path.with_name("rollout.parquet")
     sc = path.with_name("scores.parquet")
     return path, sc if sc.exists() else None
+
+
+def run_steps(run_dir: Path, step: int | None) -> list[Path]:
+    """The step dirs of the run the view holds (stages/runview.py): --step N, else all of them."""
+    ks = [k for k in runview.steps(run_dir) if k > 0 and (runview.step_dir(run_dir, k) / "rollout.parquet").exists()]
+    if not ks:
+        raise UserError(f"{run_dir}: the run has no sampled step yet")
+    if step is not None:
+        if step not in ks:
+            raise UserError(f"--step {step}: not a step of the run in {run_dir} ({runview.ranges(ks)})")
+        ks = [step]
+    return [runview.step_dir(run_dir, k) for k in ks]
 
 
 def _unique_uids(t, path: Path) -> None:
@@ -68,15 +80,46 @@ def _tokenizer(ro_path: Path):
     prep = run_dir / "prepare.json"
     if not prep.exists():
         return None
-    from transformers import AutoTokenizer
-
     dig = json.loads(prep.read_text())["student"]
     store = run_dir.parent.parent / "store" / "model" / dig
-    return AutoTokenizer.from_pretrained(store) if (store / "tokenizer_config.json").exists() else None
+    return _load_tokenizer(str(store)) if (store / "tokenizer_config.json").exists() else None
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def select(spec: str | None, step: int | None, every_step: bool) -> list[Path]:
+    """What `opd inspect` reads: a rollout/scores Parquet or a step dir as given; a run (NAME,
+    run=NAME, a run dir, or nothing: the run of ./params.yaml or `default`) -> its steps: --step N,
+    else every step when searching (--worst, --uid), else its last step (said on stderr)."""
+    p = Path(spec) if spec and not spec.startswith("run=") else None
+    if p is not None and (p.is_file() or (p / "rollout.parquet").exists()):
+        return [p]
+    if p is not None and p.suffix == ".parquet":
+        raise UserError(f"{p}: Parquet file not found")
+    dirs = run_steps(runview.locate(spec), step)
+    if step is None and not every_step and len(dirs) > 1:
+        print(f"inspect: {dirs[-1].name}, the run's last step ({runview.ranges([int(d.name[5:]) for d in dirs])}: "
+              "--step N for another, --worst N searches all)", file=sys.stderr)
+        dirs = dirs[-1:]
+    return dirs
 
 
 def main(args) -> None:
-    rows = trajectories(Path(args.path), args.step)
+    step = args.step
+    if step is None and args.uid and (m := re.match(r"s(\d+)-", args.uid)):
+        step = int(m.group(1))  # a uid names its step: read only that one
+    try:
+        dirs = select(args.path, step, bool(args.worst))
+    except UserError as e:
+        if args.step is None and step is not None:
+            raise UserError(f"--uid {args.uid}: its step {step} is not a step of this run") from None
+        raise e
+    rows = [r for d in dirs for r in trajectories(d)]
     if args.uid:
         rows = [r for r in rows if r["uid"] == args.uid]
         if not rows:

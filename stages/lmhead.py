@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -24,25 +25,35 @@ class Packed:
 
 def pack(prompts: list[list[int]], responses: list[list[int]], masks: list[list[int]], pad: int,
          device) -> Packed:
-    B = len(prompts)
-    T = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    R = max(1, max(len(r) for r in responses))
-    ids = torch.full((B, T), pad, dtype=torch.long)
-    attn = torch.zeros(B, T, dtype=torch.long)
-    mask = torch.zeros(B, R)
-    rows, cols, targets, offsets = [], [], [], []
-    for b, (p, r, m) in enumerate(zip(prompts, responses, masks)):
-        p, r, m = [int(x) for x in p], [int(x) for x in r], [int(x) for x in m]
-        seq = p + r
-        ids[b, :len(seq)] = torch.tensor(seq)
-        attn[b, :len(seq)] = 1
-        mask[b, :len(m)] = torch.tensor(m, dtype=torch.float)
-        offsets.append(len(rows))
-        rows += [b] * len(r)
-        cols += range(len(p) - 1, len(p) + len(r) - 1)
-        targets += r
-    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    return Packed(ids.to(device), attn.to(device), t(rows), t(cols), t(targets), mask.to(device), offsets)
+    # numpy over the concatenated tokens (no Python loop per token); the same tensors as row by row
+    pr = [np.asarray(x, dtype=np.int64).reshape(-1) for x in prompts]
+    rs = [np.asarray(x, dtype=np.int64).reshape(-1) for x in responses]
+    ms = [np.asarray(x, dtype=np.float32).reshape(-1) for x in masks]
+    B = len(pr)
+    lp = np.array([len(x) for x in pr], dtype=np.int64)  # [B]
+    lr = np.array([len(x) for x in rs], dtype=np.int64)  # [B]
+    lm = np.array([len(x) for x in ms], dtype=np.int64)  # [B]
+    T = int((lp + lr).max())
+    R = max(1, int(lr.max()))
+    ids = np.full((B, T), pad, dtype=np.int64)
+    attn = np.zeros((B, T), dtype=np.int64)
+    mask = np.zeros((B, R), dtype=np.float32)
+    ls = lp + lr
+    tok_row = np.repeat(np.arange(B), ls)  # [sum ls] row of each prompt+response token
+    tok_col = np.arange(int(ls.sum())) - np.repeat(np.cumsum(ls) - ls, ls)  # its position in the row
+    ids[tok_row, tok_col] = np.concatenate([x for pair in zip(pr, rs) for x in pair] or [np.zeros(0, np.int64)])
+    attn[tok_row, tok_col] = 1
+    m_row = np.repeat(np.arange(B), lm)
+    mask[m_row, np.arange(int(lm.sum())) - np.repeat(np.cumsum(lm) - lm, lm)] = (
+        np.concatenate(ms) if ms else np.zeros(0, np.float32))
+    starts = np.cumsum(lr) - lr  # [B] first response position of each row among the n
+    rows = np.repeat(np.arange(B), lr)  # [n]
+    j = np.arange(int(lr.sum())) - np.repeat(starts, lr)  # [n] offset within the row's response
+    cols = np.repeat(lp - 1, lr) + j  # the position before each response token predicts it
+    targets = np.concatenate(rs) if rs else np.zeros(0, np.int64)
+    t = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device)  # noqa: E731
+    return Packed(t(ids), t(attn), t(rows), t(cols), t(targets), torch.from_numpy(mask).to(device),
+                  [int(x) for x in starts])
 
 
 def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -91,13 +102,18 @@ def score_positions(h: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, 
     ids = torch.empty(n, k, dtype=torch.long, device=h.device)
     tlp = torch.empty(n, k, device=h.device)
     for c in chunks(n, chunk):
-        logp = torch.log_softmax(F.linear(h[c], head).float() / temperature, dim=-1)  # [c, V]
+        logits = F.linear(h[c], head).float()  # [c, V]
+        if temperature != 1.0:  # x / 1.0 == x exactly: at T = 1 a pass over [c, V] is skipped, not a bit changes
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, dim=-1)  # [c, V]
+        del logits
         lp[c] = logp.gather(-1, targets[c, None]).squeeze(-1)
-        ent[c] = -(logp.exp() * logp).sum(-1)
         if k:
             v, i = logp.topk(k, dim=-1)
             ids[c], tlp[c] = i, v
-        del logp
+        p = logp.exp()  # [c, V]; p * log p in place: the same products and sum as -(exp(logp) * logp).sum
+        ent[c] = -p.mul_(logp).sum(-1)
+        del logp, p
     return lp, ids, tlp, ent
 
 

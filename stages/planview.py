@@ -34,6 +34,9 @@ def render(est: dict, console=None) -> None:
         console.print(f"  {p:16s} " + (f"refused: {r['refused']}" if "refused" in r else
                                         f"peak {r['peak_gib']:.3f} GiB ({r['peak_phase']})"
                                         + ("" if r["feasible"] else "  [red]does not fit[/]")))
+    for role, m in est["models"].items():  # which shapes were planned (weight-free: where they came from)
+        console.print(f"  {role}: {m['layers']} layers, hidden {m['hidden']}, {m['params'] / 1e6:,.0f}M params; "
+                      f"shapes from {m['source']}", markup=False)
     console.print(f"placement: [bold]{est['placement']['chosen']}[/] - {est['placement']['why']}")
     console.print(f"budget {est['budget_gib']:.2f} GiB ({est['budget_source']}), usable {est['usable_gib']:.2f} "
                   f"(margin {est['margin']}), peak {est['peak_gib']:.3f} GiB ({est['peak_phase']}), "

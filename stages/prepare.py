@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from . import identity, models, prompts, tables, tooluse
+from . import identity, models, prompts, runview, tables, tooluse
 from .errors import UserError
 from .session import Session
 from .store import fault, file_hash, write_json
@@ -68,6 +68,7 @@ def run(sess: Session) -> dict:
     fault("prepare.before")
     student = models.ensure(sess.store, cfg.student, "student")
     teacher = models.ensure(sess.store, cfg.teacher, "teacher")
+    check_context(sess, {"student": student, "teacher": teacher})
     # The checks and records below are a pure function of the models and the data settings, so they
     # are a stage too: a resumed run reads the record back instead of reloading both tokenizers.
     for key in ("data.path", "data.eval_path"):
@@ -83,10 +84,27 @@ def run(sess: Session) -> dict:
     out = json.loads((d / "prepared.json").read_text())
     if sess.store.get("prompts", out["prompts"]) is None:  # rollout/evaluate read it: content-check it here
         _build(sess, student, teacher)  # (missing or damaged: rebuilt, to the same digest and bytes)
+    # before the view is touched: never half of another run
+    runview.refuse_other_origin(sess, lambda: identity.Chain(cfg, sess.runtime_slice, out).policy(cfg.train.updates))
     write_json(sess.run_dir / "prepare.json", out)
     sess.prepared = out
     fault("prepare.after")
     return out
+
+
+def check_context(sess: Session, digests: dict[str, str]) -> None:
+    """A prompt plus the longest response must fit each model's positions (its config.json's
+    max_position_embeddings), or rollout, score and evaluate would run past them."""
+    cfg = sess.cfg
+    prompt = cfg.data.max_prompt_tokens
+    key, new = max(("rollout.max_new_tokens", cfg.rollout.max_new_tokens), ("eval.max_new_tokens",
+                                                                         cfg.eval.max_new_tokens), key=lambda x: x[1])
+    for role, dig in digests.items():
+        ctx = json.loads((sess.store.path("model", dig) / "config.json").read_text()).get("max_position_embeddings")
+        if isinstance(ctx, int) and prompt + new > ctx:
+            raise UserError(f"key '{key}' = {new}: data.max_prompt_tokens ({prompt}) + {new} = {prompt + new} "
+                            f"positions exceed the {role}'s context ({getattr(cfg, role).name!r}: "
+                            f"max_position_embeddings {ctx})")
 
 
 def _build(sess: Session, student: str, teacher: str) -> dict:

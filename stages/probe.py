@@ -13,6 +13,7 @@ import torch
 
 from . import identity as stage_identity
 from . import lmhead, models, objectives, train, update
+from .config import logit_temperature
 from .errors import UserError
 from .session import phase
 from .store import Store, write_json
@@ -80,7 +81,7 @@ def measure(cfg, est: dict) -> dict:
         h = lmhead.hidden(teacher, p)  # [n, H]
         c = slice(0, min(cfg.train.chunk, n))  # one score chunk
         lmhead.score_positions(h[c], lmhead.head_weight(teacher), p.targets[c], cfg.train.chunk, k,
-                               cfg.rollout.temperature)
+                               logit_temperature(cfg.rollout))
         del h
 
     sess.activate("student")

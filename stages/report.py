@@ -19,7 +19,7 @@ import json
 import math
 from pathlib import Path
 
-from . import inspection, tables
+from . import inspection, runview, tables
 from .report_html import (CSP, STYLE, _esc, _num, _pct, config_section, eval_section, phase_section,
                           trajectory_section)
 from .errors import UserError
@@ -38,32 +38,9 @@ CURVES = [
 
 # ---- reading the run view ----
 
-def locate(run: str, artifacts: str | None = None) -> Path:
-    """A run name or a run directory -> the run directory (UserError if there is none)."""
-    p = Path(run)
-    if p.is_dir() and ((p / "history.csv").exists() or any(p.glob("step-*"))):
-        return p
-    if artifacts is None:
-        artifacts = _params_artifacts() or "artifacts"
-    d = Path(artifacts) / "runs" / run
-    if not d.is_dir():
-        known = sorted(x.name for x in (Path(artifacts) / "runs").glob("*") if x.is_dir())
-        hint = f"; runs here: {', '.join(known)}" if known else "; run `opd run` or `dvc repro` first"
-        raise UserError(f"run {run!r}: {d} is not a run directory{hint}")
-    return d
-
-
-def _params_artifacts() -> str | None:
-    """The `artifacts` key of ./params.yaml, if there is one (as `dvc repro` would use)."""
-    p = Path("params.yaml")
-    if not p.is_file():
-        return None
-    try:
-        from omegaconf import OmegaConf
-
-        return str(OmegaConf.load(p).get("artifacts") or "") or None
-    except Exception:
-        return None
+def locate(run: str | None, artifacts: str | None = None) -> Path:
+    """NAME, run=NAME or a run directory -> the run directory (stages/runview.py; UserError if none)."""
+    return runview.locate(run, artifacts)
 
 
 def _json(path: Path) -> dict | None:
@@ -76,7 +53,7 @@ def _json(path: Path) -> dict | None:
 
 
 def read_history(run_dir: Path) -> list[dict]:
-    """history.csv as rows of floats (None for empty cells); step as int."""
+    """history.csv as rows of floats (None for empty cells); step as int; only the view's run's steps."""
     f = run_dir / "history.csv"
     if not f.is_file():
         return []
@@ -92,43 +69,27 @@ def read_history(run_dir: Path) -> list[dict]:
             if row.get("step") is not None:
                 row["step"] = int(row["step"])
                 rows.append(row)
-    return rows
+    listed = set(runview.steps(run_dir))
+    return [r for r in rows if r["step"] in listed]
 
 
 def read_config(run_dir: Path) -> dict | None:
-    """The run's resolved config: config.json in the run view, else ./params.yaml if it names this run."""
-    cfg = _json(run_dir / "config.json")
-    if cfg is not None:
-        return cfg
-    p = Path("params.yaml")
-    if p.is_file():
-        from omegaconf import OmegaConf
-
-        try:
-            data = OmegaConf.to_container(OmegaConf.load(p), resolve=True)
-        except Exception:
-            return None
-        if isinstance(data, dict) and data.get("run") == run_dir.name:
-            return data
-    return None
+    """The run's resolved config: config.json in the run view (never a params file of another run)."""
+    return _json(run_dir / "config.json")
 
 
 def step_dirs(run_dir: Path) -> list[Path]:
-    out = []
-    for d in sorted(run_dir.glob("step-*")):
-        try:
-            k = int(d.name.split("-")[1])
-        except (IndexError, ValueError):
-            continue
-        if k > 0:
-            out.append(d)
-    return out
+    """The update steps (k > 0) the run lists (stages/runview.py): never a step another run left."""
+    return [runview.step_dir(run_dir, k) for k in runview.steps(run_dir) if k > 0]
 
 
-def phase_stats(run_dir: Path) -> list[dict]:
-    """Per phase over all steps: total and median wall time, median tokens/s, peak memory."""
+def phase_stats(run_dir: Path, skip: set[int] = frozenset()) -> list[dict]:
+    """Per phase over the steps computed by the run (not those in `skip`: reused ones, timed by an
+    earlier run): total and median wall time, median tokens/s, peak memory."""
     phases: dict[str, list[dict]] = {}
     for d in step_dirs(run_dir):
+        if int(d.name.split("-")[1]) in skip:
+            continue
         st = _json(d / "state.json") or {}
         for name, rec in st.items():
             if isinstance(rec, dict) and "wall_s" in rec:
@@ -175,6 +136,10 @@ def sample_trajectories(run_dir: Path, per_step: int = 3) -> list[tuple[int, lis
 
 # ---- rendering ----
 
+# curves of how fast a step ran: a reused step (computed by an earlier run) is left out of them
+TIMED = {"Throughput per phase", "Wall time per phase", "Peak memory"}
+
+
 def curve_images(history: list[dict]) -> list[tuple[str, str]]:
     """[(title, base64 PNG)] for each CURVES entry with data."""
     if not history:
@@ -185,9 +150,10 @@ def curve_images(history: list[dict]) -> list[tuple[str, str]]:
     import matplotlib.pyplot as plt
 
     out = []
-    steps = [r["step"] for r in history]
     for title, ylabel, cols in CURVES:
-        series = [(c, [r.get(c) for r in history]) for c in cols]
+        rows = [r for r in history if not (title in TIMED and r.get("reused"))]
+        steps = [r["step"] for r in rows]
+        series = [(c, [r.get(c) for r in rows]) for c in cols]
         series = [(c, ys) for c, ys in series if any(y is not None and math.isfinite(y) for y in ys)]
         if not series:
             continue
@@ -211,13 +177,27 @@ def curve_images(history: list[dict]) -> list[tuple[str, str]]:
     return out
 
 
+def status_note(run_dir: Path, reused: list[int]) -> str:
+    """What the view holds, when it is not simply a finished run computed in one go."""
+    notes = []
+    rec = runview.read(run_dir)
+    if rec is not None and not rec.get("complete"):
+        done = len([k for k in rec["steps"] if k > 0])
+        notes.append(f"Incomplete run: {done} of {rec['updates']} updates linked (stopped, or still running).")
+    if reused:
+        notes.append(f"{runview.ranges(reused).capitalize()} published by an earlier run and reused: their times "
+                     "and memory are from then, so they are left out of the timing curves and the phase table.")
+    return "".join(f'<p class="note">{_esc(n)}</p>' for n in notes)
+
+
 def render(run_dir: Path, samples_per_step: int = 3) -> str:
     history = read_history(run_dir)
     cfg = read_config(run_dir)
     metrics = _json(run_dir / "metrics.json")
     train = _json(run_dir / "train.json")
     prepared = _json(run_dir / "prepare.json")
-    stats = phase_stats(run_dir)
+    reused = [r["step"] for r in history if r.get("reused")]
+    stats = phase_stats(run_dir, set(reused))
     samples = sample_trajectories(run_dir, samples_per_step)
     imgs = curve_images(history)
 
@@ -244,6 +224,7 @@ def render(run_dir: Path, samples_per_step: int = 3) -> str:
 <body><main>
 <h1>opd report: {_esc(name)}</h1>
 <div class="muted">run view <code>{_esc(run_dir)}</code></div>
+{status_note(run_dir, reused)}
 <div class="summary">{summary}</div>
 <h2 id="config">Config</h2>{config_section(cfg, prepared, train)}
 <h2 id="curves">Training curves</h2><div class="curves">{curves}</div>

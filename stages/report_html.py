@@ -170,7 +170,7 @@ body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:
 main{max-width:1180px;margin:0 auto;padding:16px 24px 48px}
 h1{font-size:22px;margin:8px 0 4px}h2{font-size:17px;border-bottom:1px solid #d0d7de;padding-bottom:4px;margin-top:28px}
 h3{font-size:14px;margin:16px 0 6px}
-.muted{color:#656d76}.summary{display:flex;flex-wrap:wrap;gap:12px;margin:12px 0}
+.muted{color:#656d76}.note{background:#fff8c5;border:1px solid #d4a72c;border-radius:6px;padding:6px 10px}.summary{display:flex;flex-wrap:wrap;gap:12px;margin:12px 0}
 .card{border:1px solid #d0d7de;border-radius:6px;padding:8px 12px;min-width:140px;background:#f6f8fa}
 .card b{display:block;font-size:18px}
 table{border-collapse:collapse;margin:6px 0 10px}td,th{border:1px solid #d0d7de;padding:3px 8px;text-align:left}

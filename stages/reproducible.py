@@ -50,7 +50,7 @@ def _mkl_fn(name: str):
     for lib in libs:
         try:
             h = ctypes.CDLL(lib)
-        except OSError:
+        except (OSError, TypeError):  # no such file; CDLL(None) where the platform has no dlopen(NULL)
             continue
         for sym in (f"mkl_serv_{name}", f"mkl_{name}"):
             f = getattr(h, sym, None)
@@ -87,8 +87,8 @@ def check() -> str:
     """mode(), with one warning per process when CPU results will depend on the thread count."""
     m = mode()
     if m != "none" and not thread_independent(m):
-        why = (f"MKL_CBWR={os.environ['MKL_CBWR']} in the environment" if os.environ.get("MKL_CBWR")
-               and os.environ["MKL_CBWR"] != MODE else "MKL initialised before stages was imported")
+        env = os.environ.get("MKL_CBWR")
+        why = f"MKL_CBWR={env!r} in the environment" if env != MODE else "MKL initialised before stages was imported"
         print(f"warning: MKL runs without strict reproducibility (mode {m}: {why}); CPU results depend "
               f"on the thread count, which joins every CPU stage's identity (set MKL_CBWR={MODE} "
               "before torch is imported for thread-independent results)", file=sys.stderr)

@@ -12,6 +12,7 @@ import pyarrow as pa
 import torch
 
 from . import batch, lmhead, memory, objectives, selection, tables, tooluse
+from .config import logit_temperature
 from .errors import UserError
 from .session import Session, phase
 from .store import seed_of, write_json
@@ -54,7 +55,7 @@ def run(sess: Session, k: int) -> Path:
         def attempt(chunk: int):  # run again with a halved chunk after a CUDA OOM (memory.chunk_retry)
             h = lmhead.hidden(teacher, ps)  # [n_sel, H]: only selected positions reach the LM head
             return lmhead.score_positions(h, lmhead.head_weight(teacher), ps.targets, chunk,
-                                          kk, cfg.rollout.temperature, want_topk=kk > 0)
+                                          kk, logit_temperature(cfg.rollout), want_topk=kk > 0)
 
         with phase(sess.device, state, tokens=int(ps.targets.numel())), torch.no_grad():
             lp, ids, tlp, ent = memory.chunk_retry(sess, "score", k, state, attempt)
@@ -65,8 +66,10 @@ def run(sess: Session, k: int) -> Path:
         # back onto every response position; unselected ones were never scored: NaN (ids -1)
         lp, ent = _spread(lp, sel, np.nan), _spread(ent, sel, np.nan)
         ids, tlp = _spread(ids.astype(np.int32), sel, -1), _spread(tlp, sel, np.nan)
-        offs = np.array(p.offsets + [len(lp)], dtype=np.int32)
-        lst = lambda flat: pa.ListArray.from_arrays(pa.array(offs), flat)  # noqa: E731  per-row lists
+        # per-row lists over the flat per-position buffers: one offsets array, each values array made
+        # once from its contiguous numpy buffer
+        offs = pa.array(np.array(p.offsets + [len(lp)], dtype=np.int32))
+        lst = lambda flat: pa.ListArray.from_arrays(offs, flat)  # noqa: E731
         cols = {"uid": ro.column("uid"), "teacher_logprobs": lst(pa.array(lp.astype(np.float32))),
                 "teacher_entropy": lst(pa.array(ent.astype(np.float32))),
                 "selected": lst(pa.array(sel.astype(np.int8)))}

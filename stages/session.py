@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from . import adapters, identity, memory, models, plan, reproducible, sampler
-from .config import Config
+from .config import Config, logit_temperature
 from .errors import UserError
 from .store import Store, link, seed_of, write_json
 
@@ -21,8 +21,11 @@ class Session:
     reach into it: its attributes below are the interface. prepare (stages/prepare.py) sets
     `prepared`; the driver (stages/train.py `session`) runs it before any stage."""
 
-    def __init__(self, cfg: Config, placement: str | None = None):
+    def __init__(self, cfg: Config, placement: str | None = None, origin: str = "overrides"):
         self.t0 = time.perf_counter()
+        # how the config was given: "params" (a params file, what `dvc repro` runs) or "overrides"
+        # (conf/ + overrides): a run view made one way is not silently replaced the other (runview)
+        self.origin = origin
         self.timings: dict[str, float] = {}
         self.cfg = cfg
         self.store = Store(cfg.artifacts)
@@ -161,8 +164,10 @@ class Session:
                  min_new: int = 0):
         """Sample from the student's current policy with the fast engine (or the transformers fallback)."""
         r, tok = self.cfg.rollout, self.tokenizer()
+        # rollout.temperature 0 is greedy selection (the sampler's argmax path), its log-probs untempered
         kw = dict(eos=tok.eos_token_id, pad=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-                  seed=seed, temperature=r.temperature, top_p=r.top_p, greedy=greedy, min_new=min_new)
+                  seed=seed, temperature=logit_temperature(r), top_p=r.top_p, greedy=greedy or r.temperature == 0,
+                  min_new=min_new)
         eng = self.engine()
         if eng is not None:
             return eng.generate(prompt_ids, max_new, **kw)

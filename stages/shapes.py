@@ -136,8 +136,27 @@ def gguf_config(path: Path) -> dict:
     return conf
 
 
+# Hugging Face ids whose shapes ship in conf/arch/ (the builtin pairs): a plan for them needs no
+# download at all. A cached config.json of the id (any revision asked for) comes first.
+SHIPPED = {"HuggingFaceTB/SmolLM2-360M-Instruct": "smollm2-360m", "HuggingFaceTB/SmolLM2-1.7B-Instruct": "smollm2-1.7b",
+           "Qwen/Qwen3-0.6B": "qwen3-0.6b", "Qwen/Qwen3-1.7B": "qwen3-1.7b"}
+
+
+def _cached_config(name: str, revision: str | None) -> Path | None:
+    """config.json of a hub id in the local Hugging Face cache (only that file need be there)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(name, "config.json", revision=revision)
+    except Exception:  # not a valid repo id (e.g. a missing local path): no cache entry
+        return None
+    return Path(hit) if isinstance(hit, str) else None
+
+
 def model_config(mcfg, role: str) -> tuple[dict, str]:
-    """(config dict, where it came from) for a model name; reads no weights."""
+    """(config dict, where it came from) for a model name; reads no weights and downloads nothing:
+    conf/arch/, the embedded GGUF's header, a local dir's config.json, the hub cache's config.json,
+    else the shapes shipped for a builtin id."""
     name = mcfg.name
     if name.startswith("arch:"):
         return models.arch_config(name[5:]), f"conf/arch/{name[5:]}.json"
@@ -146,7 +165,14 @@ def model_config(mcfg, role: str) -> tuple[dict, str]:
         return gguf_config(p), f"{p.name} (GGUF header)"
     p = Path(name)
     if not p.is_dir():
-        p = models._hf_local_dir(name, mcfg.revision)
+        cached = _cached_config(name, mcfg.revision)
+        if cached is not None:
+            return json.loads(cached.read_text()), f"{name} config.json (Hugging Face cache)"
+        if name in SHIPPED:
+            return models.arch_config(SHIPPED[name]), f"conf/arch/{SHIPPED[name]}.json (shipped shapes of {name})"
+        raise UserError(f"model '{name}': no shapes for it here (not a local directory, no config.json in the "
+                        f"Hugging Face cache, none shipped in conf/arch/); fetch its config.json first: "
+                        f"hf download {name} config.json")
     f = p / "config.json"
     if not f.is_file():
         raise UserError(f"model '{name}': {f} not found; expected a Hugging Face model directory")

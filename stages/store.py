@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,31 @@ def file_hash(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+# Hashes of files this process wrote through `write_bytes`, keyed by path: (size, mtime_ns, inode,
+# xxh3_128). Sealing takes the hash from here instead of reading back the bytes just written; a file
+# changed since (size, mtime or inode differ) is hashed from disk as before.
+_WRITTEN: dict[str, tuple[int, int, int, str]] = {}
+
+
+def write_bytes(path: str | os.PathLike, data) -> None:
+    """Write `data` (bytes-like) to `path`, hashing it from memory in the same call."""
+    with open(path, "wb") as f:
+        f.write(data)
+    st = os.stat(path)
+    if len(_WRITTEN) > 10_000:  # run-view files are never sealed: bound what they leave behind
+        _WRITTEN.clear()
+    _WRITTEN[os.fspath(path)] = (st.st_size, st.st_mtime_ns, st.st_ino, xxhash.xxh3_128_hexdigest(data))
+
+
+def written_hash(path: Path) -> str:
+    """The file's xxh3_128: from `write_bytes` when the file is still what it wrote, else read from disk."""
+    rec = _WRITTEN.pop(os.fspath(path), None)
+    st = os.stat(path)
+    if rec is not None and rec[:3] == (st.st_size, st.st_mtime_ns, st.st_ino):
+        return rec[3]
+    return file_hash(path)
+
+
 def seed_of(dig: str) -> int:
     """Each stage seeds its randomness from its own digest, never from process state."""
     return int(dig[:15], 16)
@@ -55,6 +81,32 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_FSYNC_POOL = None
+
+
+def _fsync_one(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)  # (a dir or a file: fsync needs no write access on Linux)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_all(paths: list[Path]) -> None:
+    """fsync every path, concurrently; returns when all are durable (re-raises the first error)."""
+    global _FSYNC_POOL
+    if len(paths) <= 1:
+        for p in paths:
+            _fsync_one(p)
+        return
+    if _FSYNC_POOL is None or _FSYNC_POOL[0] != os.getpid():  # a forked child has none of the parent's threads
+        from concurrent.futures import ThreadPoolExecutor
+
+        _FSYNC_POOL = (os.getpid(), ThreadPoolExecutor(max_workers=8, thread_name_prefix="opd-fsync"))
+    for fut in [_FSYNC_POOL[1].submit(_fsync_one, p) for p in paths]:
+        fut.result()
 
 
 def fault(point: str, path: str | os.PathLike | None = None) -> None:
@@ -80,7 +132,6 @@ def fault(point: str, path: str | os.PathLike | None = None) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path or point))
     os.kill(os.getpid(), {"": signal.SIGKILL, "kill": signal.SIGKILL, "term": signal.SIGTERM,
                           "int": signal.SIGINT}[action])
-
 
 
 _FAULT_COUNTS: dict[str, int] = {}
@@ -249,18 +300,18 @@ class Store:
         if st.is_file():  # which stack computed these bytes: a record, never part of the identity
             write_json(st, {**json.loads(st.read_text()), "stack": stack()})
         paths = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
-        for p in paths:
-            with open(p, "rb+") as f:
-                os.fsync(f.fileno())
+        # the files' fsyncs are issued together (each one alone waits for its own journal commit; issued
+        # at once, one commit mostly covers them all); all have returned before the manifest is written
+        _fsync_all(paths)
         fault("publish.after_fsync", tmp)
-        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "xxh3_128": file_hash(p)} for p in paths}
+        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "xxh3_128": written_hash(p)} for p in paths}
         fault("publish.before_manifest", tmp)
         man = tmp / MANIFEST
         with open(man, "w") as f:
             json.dump({"stage": stage, "digest": dig, "files": files}, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        for p in [*paths, man]:  # published means immutable: no path into the store is writable
+            os.chmod(p, stat.S_IMODE(os.stat(p).st_mode) & ~0o222)
+        _fsync_all([man, tmp])  # the manifest's bytes and the dir's entries, both before the rename
         fault("publish.after_manifest", tmp)
 
     @staticmethod
@@ -301,5 +352,8 @@ def write_json(path: Path, obj: Any) -> None:
     """Deterministic JSON (sorted keys), written atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    write_bytes(tmp, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
     os.replace(tmp, path)
+    rec = _WRITTEN.pop(os.fspath(tmp), None)
+    if rec is not None:  # a rename keeps size, mtime and inode: the hash stays valid for the final name
+        _WRITTEN[os.fspath(path)] = rec

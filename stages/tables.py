@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import UserError
+from .store import write_bytes
 
 SCHEMA_VERSION = "1"
 
@@ -67,7 +68,10 @@ def write(path: Path, table: pa.Table, meta: dict[str, str]) -> None:
     md = dict(table.schema.metadata or {})
     md.update({f"opd.{k}".encode(): str(v).encode() for k, v in sorted(meta.items())})
     md[b"opd.schema_version"] = SCHEMA_VERSION.encode()
-    pq.write_table(table.replace_schema_metadata(md), path, compression="zstd", write_statistics=False)
+    # serialised in memory, then written and hashed in one pass (the store's manifest takes that hash)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table.replace_schema_metadata(md), sink, compression="zstd", write_statistics=False)
+    write_bytes(path, sink.getvalue())
 
 
 def read(path: Path, required: dict[str, pa.DataType] | None = None) -> pa.Table:
@@ -110,3 +114,14 @@ def topk_lists(t: pa.Table, col: str, k: int, dtype) -> list[np.ndarray]:
     offs = arr.offsets.to_numpy()
     flat = arr.flatten().flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False).reshape(-1, k)
     return [flat[offs[i]:offs[i + 1]] for i in range(len(arr))]
+
+
+def flat(t: pa.Table, col: str, dtype) -> np.ndarray:
+    """A list<...> (or list<fixed_size_list<...>>) column's values, all rows end to end, as one flat
+    numpy array: what concatenating `lists` / `topk_lists` gives, without the per-row split."""
+    arr = t.column(col).combine_chunks()
+    vals = arr.flatten()  # honours the list offsets (a sliced column starts where its first row does)
+    while pa.types.is_list(vals.type) or pa.types.is_fixed_size_list(vals.type) or pa.types.is_large_list(vals.type):
+        vals = vals.flatten()
+    out = vals.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+    return out if out.flags.writeable else out.copy()  # (torch refuses to alias read-only Arrow memory)

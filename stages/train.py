@@ -16,19 +16,20 @@ import time
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import prepare, rollout, score, sft, update
+from . import prepare, rollout, runview, score, sft, update
 from .config import Config
 from .session import Session
 from .store import fault, read_state, write_json
 
 HISTORY_COLS = ["step", "loss", "kl", "grad_norm", "teacher_topk_mass", "student_topk_mass", "topk_overlap",
                 "rollout_tokens_per_s", "score_tokens_per_s", "update_tokens_per_s", "rollout_wall_s",
-                "score_wall_s", "update_wall_s", "peak_memory_gib", "response_tokens"]
+                "score_wall_s", "update_wall_s", "peak_memory_gib", "response_tokens", "reused"]
 
 
-def session(cfg: Config, placement: str | None = None) -> Session:
-    """A Session with prepare's record in place (models materialised, prompts and tasks published)."""
-    sess = Session(cfg, placement)
+def session(cfg: Config, placement: str | None = None, origin: str = "overrides") -> Session:
+    """A Session with prepare's record in place (models materialised, prompts and tasks published).
+    origin: how the config was given (stages/runview.py): "params" (a params file) or "overrides"."""
+    sess = Session(cfg, placement, origin)
     prepare.run(sess)
     return sess
 
@@ -63,6 +64,29 @@ def ensure_policy(sess: Session, k: int) -> None:
             update.run(sess, j)
 
 
+def plan_line(sess: Session) -> str:
+    """One line before the loop: which steps earlier runs published (reused) and what is left."""
+    K = sess.cfg.train.updates
+    published = [k for k in range(1, K + 1) if (sess.store.path("update", sess.update_digest(k))
+                                                 / "manifest.json").is_file()]
+    todo = K - len(published)
+    if not K:
+        return "train: 0 updates (policy 0 only)"
+    if not todo:
+        return f"train: all {K} steps published by an earlier run: reusing them, nothing to compute"
+    if not published:
+        return f"train: {K} step{'s' if K > 1 else ''} to compute"
+    first = next(k for k in range(1, K + 1) if k not in published)
+    partial = [name for name, dig in (("rollout", sess.rollout_digest(first)), ("score", sess.score_digest(first)))
+               if (sess.store.path(name, dig) / "manifest.json").is_file()]
+    where = f" (its {' and '.join(partial)} published)" if partial else ""
+    done = runview.ranges(published)
+    if published == list(range(1, first)):
+        return f"train: resuming at step {first}{where}: {done} published; {todo} to compute"
+    return f"train: {done} published (reused); {runview.ranges([k for k in range(1, K + 1) if k not in published])} " \
+           f"to compute, from step {first}{where}"
+
+
 def history_row(sess: Session, k: int) -> dict:
     st = {name: read_state(sess.store.path(name, dig)) for name, dig in
           (("rollout", sess.rollout_digest(k)), ("score", sess.score_digest(k)), ("update", sess.update_digest(k)))}
@@ -83,8 +107,12 @@ def run(sess: Session) -> dict:
     # validate early and set up in dependency order: prepared inputs -> policy 0 -> loop
     prepared = sess.prepared
     policy0(sess)
+    runview.begin(sess)  # the view is this run's from here (another run's steps are removed)
+    write_json(sess.run_dir / "config.json", dataclasses.asdict(cfg))
     sess.link_step(0)
-    rows = []
+    runview.add_step(sess, 0)
+    print(plan_line(sess), flush=True)
+    rows, reused = [], set()
     quiet = not sys.stderr.isatty()
     with Progress(TextColumn("[bold]train[/] {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), disable=quiet) as bar:
@@ -93,7 +121,9 @@ def run(sess: Session) -> dict:
         def record(k: int) -> None:
             """Run view + history for step k (joins its background publish first)."""
             sess.link_step(k)
-            row = history_row(sess, k)
+            runview.add_step(sess, k)
+            # a step an earlier run published: its timings are from then, not from this process
+            row = {**history_row(sess, k), "reused": int(k in reused)}
             rows.append(row)
             bar.update(task, advance=1, description=(
                 f"step {k} loss {row['loss']:.4f} | rollout {row['rollout_tokens_per_s'] or 0:.0f} tok/s "
@@ -114,6 +144,7 @@ def run(sess: Session) -> dict:
                 # the whole step as a user waits for it: phases + Parquet/adapter IO + publishing
                 sess.timings.setdefault("step_wall_s", []).append(round(time.perf_counter() - t_step, 4))
             else:  # a reused step's rollout and scores are content-checked too before they are linked
+                reused.add(k)
                 rollout.run(sess, k)  # (and recomputed, to the same bytes, if damaged)
                 score.run(sess, k)
             for j in waiting:  # the previous step's publish overlapped this step's compute
@@ -130,8 +161,6 @@ def run(sess: Session) -> dict:
         w.writeheader()
         w.writerows(rows)
     os.replace(tmp, sess.run_dir / "history.csv")
-    # the resolved config beside the run view, for `opd report` and humans (not part of any identity)
-    write_json(sess.run_dir / "config.json", dataclasses.asdict(cfg))
     final = sess.policy_digest(cfg.train.updates)
     out = {"updates": cfg.train.updates, "final_policy": final, "initial_policy": sess.init_digest(),
            "prepared": prepared, "final_loss": rows[-1]["loss"] if rows else None,
@@ -139,12 +168,16 @@ def run(sess: Session) -> dict:
            "timings": {**sess.timings, "total_s": round(time.perf_counter() - sess.t0, 4),
                        "store_seconds": sess.store.seconds}}
     write_json(sess.run_dir / "train.json", out)
-    return out
+    runview.finish(sess)  # complete: every step linked, history and train record written
+    # how this process got there (reused steps are marked in history.csv too): not in train.json, whose
+    # content a resumed run must write exactly as an uninterrupted one
+    return {**out, "reused": len(reused)}
 
 
 def main(sess: Session) -> dict:
     out = run(sess)
-    print(f"train: {out['updates']} updates, final policy {sess.chain.policy_stage(out['updates'])}/"
-          f"{out['final_policy'][:12]} "
+    K, n = out["updates"], out["reused"]
+    what = f"{n} reused, {K - n} computed" if n else "all computed"
+    print(f"train: {K} updates ({what}), final policy {sess.chain.policy_stage(K)}/{out['final_policy'][:12]} "
           f"(run view {sess.run_dir})")
     return out

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from . import adapters, batch, lmhead, memory, models, objectives, tables
+from .config import logit_temperature
 from .errors import UserError
 from .session import Session, phase
 from .store import fault, write_json
@@ -26,11 +27,12 @@ def load_scores(path: Path, topk: int) -> dict:
     if topk:
         need.update(topk_ids=None, topk_logprobs=None)
     t = tables.read(path, need)
-    out = {"teacher_logprobs": np.concatenate(tables.lists(t, "teacher_logprobs")),
-           "selected": np.concatenate(tables.lists(t, "selected", np.int8)).astype(bool)}
+    # the packed positions are the rows' lists end to end: one flat array each (no split and re-join)
+    out = {"teacher_logprobs": tables.flat(t, "teacher_logprobs", np.float32),
+           "selected": tables.flat(t, "selected", np.int8).astype(bool)}
     if topk:
-        out["topk_ids"] = np.concatenate(tables.topk_lists(t, "topk_ids", topk, np.int64))
-        out["topk_logprobs"] = np.concatenate(tables.topk_lists(t, "topk_logprobs", topk, np.float32))
+        out["topk_ids"] = tables.flat(t, "topk_ids", np.int64).reshape(-1, topk)
+        out["topk_logprobs"] = tables.flat(t, "topk_logprobs", np.float32).reshape(-1, topk)
     return out
 
 
@@ -63,7 +65,7 @@ def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch
     h = lmhead.hidden(student, p)  # [n, H], graph through the backbone (LoRA)
     leaf = h.detach().requires_grad_(True)
     head = lmhead.head_weight(student)
-    T = cfg.rollout.temperature
+    T = logit_temperature(cfg.rollout)  # 0 (greedy rollouts): untempered
     h_t = head_t = None
     if "full" in ob.NEEDS:  # a full teacher row per token is too big to store: recompute it here, chunked
         with torch.no_grad():
@@ -72,7 +74,9 @@ def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch
     loss_sum = torch.zeros((), device=dev)
     diag_sums: dict[str, torch.Tensor] = {}
     for c in lmhead.chunks(p.rows.numel(), chunk or cfg.train.chunk):
-        logits = F.linear(leaf[c], head).float() / T  # [c, V]: the only vocab-sized tensor, one chunk
+        logits = F.linear(leaf[c], head).float()  # [c, V]: the only vocab-sized tensor, one chunk
+        if T != 1.0:  # x / 1.0 == x (and its gradient g / 1.0 == g) exactly: at T = 1 two [c, V] passes saved
+            logits = logits / T
         ch = objectives.Chunk(
             student_logits=logits, sampled_ids=p.targets[c], old_logprobs=sample_lp[c],
             teacher_logprobs=sc["teacher_logprobs"][c] if "teacher_logprobs" in sc else None,
@@ -125,7 +129,7 @@ def run(sess: Session, k: int) -> Path:
                          cfg.objective.topk if "topk" in needs else 0)
         student = sess.use_policy(k - 1)
         p = batch.packed(ro, sess.device)
-        sample_lp = torch.as_tensor(np.concatenate(tables.lists(ro, "sample_logprobs")), device=sess.device)
+        sample_lp = torch.as_tensor(tables.flat(ro, "sample_logprobs", np.float32), device=sess.device)
         keep = sc.pop("selected")
         adv = None
         if "advantages" in needs:  # task-reward advantage per trajectory, spread over its positions
@@ -187,6 +191,8 @@ def run(sess: Session, k: int) -> Path:
     # On CUDA the update's files (adapter + AdamW moments) are copied to the host, serialised, sealed
     # and renamed on a worker thread while the next rollout runs; the resident student already holds
     # policy k, and the next update joins this publish before its optimizer step changes the tensors.
+    # Not on CPU: a kill between steps (train.between_steps) would lose the update still publishing
+    # there and recompute it; the train loop would first have to join it at that point.
     d, _ = sess.store.ensure("update", dig, produce, background=sess.background_publish)
     return d
 

@@ -27,11 +27,12 @@ CHOICES = {
 POSITIVE = (
     "data.num_train", "data.num_eval", "data.max_prompt_tokens", "rollout.batch_size", "rollout.n",
     "rollout.max_new_tokens", "objective.topk", "lora.r", "lora.alpha", "train.updates", "train.chunk",
-    "eval.max_new_tokens", "eval.chunk", "rollout.temperature", "rollout.top_p", "optim.lr",
+    "eval.max_new_tokens", "eval.chunk", "rollout.top_p", "optim.lr",
     "objective.full_vocab_limit",
     "env.max_turns", "env.max_tokens_per_turn", "env.num_train", "env.num_test", "sft.batch_size", "sft.lr",
 )
 NON_NEGATIVE = ("student.keep_layers", "teacher.keep_layers", "rollout.min_new_tokens", "optim.warmup_updates",
+                "rollout.temperature",
                 "runtime.threads", "optim.weight_decay", "optim.max_grad_norm", "sft.steps", "sft.teacher_steps")
 
 

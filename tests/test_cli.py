@@ -44,7 +44,8 @@ def test_each_verb_once():
 @pytest.mark.parametrize("argv,needle", [
     (["stage", "rollout"], "--step N"),
     (["stage", "train", "--step", "2"], "--step is for rollout, score, update"),
-    (["stage", "train", "--verl", "x"], "--out and --verl are for export"),
+    (["stage", "train", "--verl", "x"], "--out, --merged and --verl are for export"),
+    (["stage", "evaluate", "--merged"], "--out, --merged and --verl are for export"),
 ])
 def test_stage_arguments_are_checked_before_anything_runs(argv, needle, capsys):
     assert cli.main(argv) == 2

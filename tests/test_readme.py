@@ -46,11 +46,11 @@ COVERED = {
         "tests/test_benchmark.py::test_the_committed_tooluse_result_matches_its_config_and_the_readme",
 }
 # Example names in the README -> what stands in for them here (filled in by the `workspace` fixture).
-PLACEHOLDERS = ("/models/my-student", "/models/my-teacher", "/data/train.parquet", "s0003-p00007-0")
+PLACEHOLDERS = ("/models/my-student", "/models/my-teacher", "/data/train.parquet", "s0003-p00034-0")
 # Checks beyond "exits 0" for some commands: substring of stdout, or a file the command writes.
 EXPECT = {
     "opd params train.updates=48 objective.topk=16": ("wrote params.yaml", "params.yaml"),
-    "opd run train.updates=4 rollout.max_new_tokens=16": ("train: 4 updates", "artifacts/runs/default/step-0004"),
+    "opd run run=short train.updates=4 rollout.max_new_tokens=16": ("train: 4 updates", "artifacts/runs/short/step-0004"),
     "opd report default --out report.html": ("report: report.html", "report.html"),
     "opd doctor": ("ready: no blockers", None),
 }
@@ -180,7 +180,7 @@ def base(tmp_path_factory, seeded_store) -> dict:
                                         "HuggingFaceTB/SmolLM2-360M-Instruct": models["/models/my-teacher"]})
     subs = {"/models/my-student": str(models["/models/my-student"]),
             "/models/my-teacher": str(models["/models/my-teacher"]),
-            "/data/train.parquet": str(extra / "train.parquet"), "s0003-p00007-0": uid}
+            "/data/train.parquet": str(extra / "train.parquet"), "s0003-p00034-0": uid}
     assert set(subs) == set(PLACEHOLDERS)
     return {"dir": d, "subs": subs, "hub": hub}
 

@@ -62,7 +62,7 @@ def tempered_logprob(head, targets, temperature):
     return f
 
 
-def engine_hidden(model, prompts, responses):
+def engine_hidden(model, prompts, responses, pad=PAD):
     """The engine's arithmetic over prompt + response in one pass, up to the head: LoRA merged into
     the weights (sampling_weights), the functional decoder on generate's left-padded layout; the
     hidden state that predicts each response token [n, H]. generate computes the same ops one token
@@ -71,7 +71,7 @@ def engine_hidden(model, prompts, responses):
     W = sampler.sampling_weights(model)
     B, P, N = len(prompts), max(len(x) for x in prompts), max(len(r) for r in responses)
     L = P + N
-    ids = torch.full((B, L), PAD, dtype=torch.long)
+    ids = torch.full((B, L), pad, dtype=torch.long)
     for b, (x, r) in enumerate(zip(prompts, responses)):
         ids[b, P - len(x):P + len(r)] = torch.tensor(x + r)
     pad_len = torch.tensor([P - len(x) for x in prompts])

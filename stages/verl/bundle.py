@@ -107,6 +107,14 @@ def continuation(cfg, done: int) -> tuple[dict, list[dict]]:
     return cont, dev
 
 
+def preflight(sess, cluster: sizing.Cluster) -> None:
+    """What refuses a bundle before anything is trained or copied: the cluster's numbers (weight-free)
+    and model folders that have no checked transformers 4.x form."""
+    sizing.size(sess.cfg, cluster)
+    for role, label in (("student", "base"), ("teacher", "teacher")):
+        modeldir.check(sess.store.path("model", sess.prepared[role]), label)
+
+
 def export(sess, out: Path, cluster: sizing.Cluster) -> Path:
     """Write the bundle atomically (temp dir, then rename); returns OUT. Policy `published(sess)` must
     be in the store (the CLI has the driver publish policy 0 first: stages/train.py ensure_policy)."""

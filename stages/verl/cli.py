@@ -132,20 +132,22 @@ def add_commands(sub, with_cfg) -> None:
     """Register plan --profile, profiles, compat and data on `opd`'s subparsers."""
     p = sub.choices["plan"]  # the memory plan's command (stages/cli.py) gains --profile and its options
     _plan_arguments(p)
+    # every `opd plan` goes through cmd_plan: without --profile it refuses --config/--set/--accept
+    # (options only a profile uses: never ignored) and runs the memory planner
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("profiles", help="list the verl OPD profiles or show one")
-    p.add_argument("action", choices=("list", "show"))
-    p.add_argument("name", nargs="?")
+    p.add_argument("action", choices=("list", "show"), help="list: every profile; show NAME: one profile's settings")
+    p.add_argument("name", nargs="?", help="show: the profile (opd profiles list)")
     p.set_defaults(fn=cmd_profiles)
     p = sub.add_parser("compat", help="explain how a verl field maps here, or print the compatibility table")
-    p.add_argument("action", choices=("explain", "table"))
-    p.add_argument("field", nargs="?")
+    p.add_argument("action", choices=("explain", "table"), help="explain FIELD: one verl field; table: all of them")
+    p.add_argument("field", nargs="?", help="explain: a verl field, e.g. actor_rollout_ref.rollout.temperature")
     p.add_argument("--out", help="table: write to this file (docs/compat.md)")
     p.set_defaults(fn=cmd_compat)
     p = sub.add_parser("data", help="data utilities")
     dsub = p.add_subparsers(dest="data_action", required=True)
     p = with_cfg(dsub.add_parser("sample", help="write a verl-schema prompt Parquet from the prompt generator"))
     p.add_argument("--format", default="verl-parquet", help="verl-parquet (the only format)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--out", required=True, help="the Parquet file to write")
+    p.add_argument("--rows", type=int, default=16, help="prompt rows to write (default 16)")
     p.set_defaults(fn=cmd_data)

@@ -39,8 +39,8 @@ FAULT_POINTS = [
     "export.before", "export.before_rename", "export.after",
 ]
 
-# history.csv columns that record how fast a step ran, not what it computed
-VOLATILE_HISTORY = ("_tokens_per_s", "_wall_s", "peak_memory_gib")
+# history.csv columns that record how fast a step ran (or whether this process ran it), not what it computed
+VOLATILE_HISTORY = ("_tokens_per_s", "_wall_s", "peak_memory_gib", "reused")
 
 
 @dataclass
@@ -210,6 +210,9 @@ def differences(work: Path, ref: Path, *, store_only: bool = False) -> list[str]
             strip = lambda p: {k: v for k, v in json.loads(p.read_text()).items() if k != "timings"}  # noqa: E731
             if strip(wa / rel) != strip(ra / rel):
                 diffs.append(f"{rel}: differs")
+        elif rel.startswith("export/") and name in ("adapter_config.json", "manifest.json"):
+            if _placeless(wa / rel, wa) != _placeless(ra / rel, ra):
+                diffs.append(f"{rel}: differs (beyond the export's own absolute path)")
         elif vw[rel] != vr[rel]:
             diffs.append(f"{rel}: bytes differ")
     return diffs
@@ -258,6 +261,18 @@ def entry_differences(wa: Path, ra: Path, entries) -> list[str]:
             if (a / rel).read_bytes() != (b / rel).read_bytes():
                 diffs.append(f"store/{e}/{rel}: bytes differ")
     return diffs
+
+
+def _placeless(p: Path, artifacts: Path) -> dict:
+    """An export's JSON without what depends on where the export lies: the adapter's absolute base
+    path (PEFT resolves a relative one against the cwd), and the manifest's hash of that file."""
+    data = json.loads(p.read_text())
+    if p.name == "adapter_config.json":
+        base = Path(data.pop("base_model_name_or_path"))
+        assert base == (p.parent.parent / "base").resolve(), f"{p}: base path {base} is not its export's base/"
+    else:
+        data.get("sha256", {}).pop("adapter/adapter_config.json", None)
+    return data
 
 
 def _history(p: Path) -> list[dict]:

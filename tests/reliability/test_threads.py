@@ -22,9 +22,14 @@ def test_another_thread_count_computes_the_same_bytes(fresh, reference):
     r = fresh.run(f"runtime.threads={other}")
     assert r.rc == 0, r
     assert {"rollout/", "score/", "update/", "evaluate/"} <= {c.split("/")[0] + "/" for c in fresh.computed()}
-    # the run view's config.json records the setting itself; nothing computed may differ
-    assert [d for d in differences(fresh.dir, reference.dir) if not d.startswith("runs/default/config.json")] == []
+    # the run view's config.json records the setting itself, view.json the digest of the resolved
+    # config that holds it; nothing computed may differ
+    settings = ("runs/default/config.json", "runs/default/view.json")
+    assert [d for d in differences(fresh.dir, reference.dir) if not d.startswith(settings)] == []
     assert json.loads((fresh.artifacts / "runs/default/config.json").read_text())["runtime"]["threads"] == other
+    view = json.loads((fresh.artifacts / "runs/default/view.json").read_text())
+    ref_view = json.loads((reference.artifacts / "runs/default/view.json").read_text())
+    assert view["digests"] == ref_view["digests"] and view["runtime"] == ref_view["runtime"]
 
 
 def test_every_stage_records_the_stack_that_computed_it(reference):

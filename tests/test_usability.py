@@ -44,7 +44,7 @@ def test_the_embedded_model_materialises_quietly(tmp_path):
 def test_bare_opd_prints_the_overview():
     r = opd(cwd=None)
     assert r.returncode == 0 and r.stderr == ""
-    for cmd in ("run", "stage", "inspect", "report", "plan", "export", "doctor"):
+    for cmd in ("run", "stage", "inspect", "report", "plan", "tooleval", "benchmark", "doctor"):
         assert re.search(rf"^\s+{cmd}\s+\S", r.stdout, flags=re.M), cmd
     assert "opd COMMAND -h" in r.stdout
 

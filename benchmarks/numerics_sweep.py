@@ -42,6 +42,30 @@ TESTS = [
     "tests/test_plan.py",
 ]
 SETTINGS = {"default": "default", "avx2": "avx2", "native": None}
+# how each test's bound is derived (the comments at each comparison say it in full)
+DERIVATIONS = [
+    ("test_numerics", "the rules themselves: a sum gets gamma(n-1) sum|x|, a dot gamma(n) sum|a b|, log_softmax "
+     "numerics.log_softmax_err; the bound holds under cancellation in any order and on a 50k-wide row; a check "
+     "fails at twice its bound (that deliberate failure is not counted below)"),
+    ("objectives/*", "fp32 value and d/d logits vs the float64 re-evaluation of the same traced ops, bound = "
+     "numerics.fp32_bound (each op's worst rounding: u per + - * /, 4u per exp/log, gamma(n-1) sum|terms| per "
+     "sum, log_softmax_err; carried by float64 adjoints); hand-written inputs count as rounded; the unchunked "
+     "graph's bound covers every chunking; reward advantages: 3u|x| (only eps, +eps and / round)"),
+    ("conformance", "ours and verl's fp32 results each within our traced bound of the exact value (verl 0.8.0 "
+     "does the same rounded ops, checked by reading it; the bound holds in any summation order); overlap "
+     "counts exact; GRPO/RLOO advantages: a first-order bound covering sum/count and running mean/std"),
+    ("test_update", "loss and dloss/dh of every chunk within fp32_bound of the unchunked LM head + objective "
+     "(rows = positions; gamma(49151) of the log-softmax sum dominates), weights w_i folded in exactly; h and "
+     "the LoRA gradients of backward(dloss/dh) bit for bit"),
+    ("test_sampler / test_tooluse", "engine and teacher-forced log-probs each within fp32_bound_through of their "
+     "own graphs (transformer forward incl. flash attention at 20 ulp exp, then the per-position head); the two "
+     "exact values equal to float64 rounding (bound x 2^-29); tool-use checks each turn's first and last token"),
+    ("test_placement / test_sft", "values within the same bounds; 'differs' = by more than both bounds; the OOM "
+     "retry's zeroed gradients and bit-identical h, dloss/dh are exact"),
+    ("test_quant", "NF4 LoRA gradients equal the dequantized model's bit for bit (same ops on the same numbers)"),
+    ("test_plan", "GiB figures equal the plan's own 4-decimal rounding; a difference of two within 1e-4; the "
+     "activation formula's 3% is the README's stated planner accuracy, not a rounding tolerance"),
+]
 
 
 def machine() -> dict:
@@ -92,6 +116,8 @@ def run(setting: str, cap: str | None, seeds: int, work: Path, tests_: list[str]
         for line in log.read_text().splitlines():
             c = json.loads(line)
             name = c["test"].split("[")[0]
+            if not c["ok"] and c["test"].endswith("test_a_check_fails_past_its_bound"):
+                continue  # the deliberate failure inside pytest.raises
             check = re.sub(r"chunk \d+", "chunk *", c["check"])  # one row per kind of comparison
             best = tests[name]["checks"].get(check)
             if best is None or c["ratio"] > best["ratio"]:
@@ -109,6 +135,7 @@ def markdown(res: dict) -> str:
              "Every comparison's bound is derived (tests/numerics.py); *ratio* is the largest error seen over all "
              "seeds and cases divided by its bound (<= 1 passes; the margin is 1/ratio). Tests without a seed "
              "parameter run the whole pipeline once per setting.", ""]
+    lines += ["How the bounds are derived:", ""] + [f"- {t}: {d}" for t, d in DERIVATIONS] + [""]
     settings = list(res["settings"])
     lines.append("| setting | capability | result | minutes |")
     lines.append("|---|---|---|---|")
@@ -119,7 +146,8 @@ def markdown(res: dict) -> str:
               "|---|---|" + "---|" * len(settings)]
     names = sorted({n for r in res["settings"].values() for n in r["tests"]})
     for n in names:
-        checks = sorted({c for r in res["settings"].values() for c in r["tests"].get(n, {}).get("checks", {})}) or ["(exact / structural)"]
+        checks = sorted({c for r in res["settings"].values() for c in r["tests"].get(n, {}).get("checks", {})}
+                        - {"twice the bound off"}) or ["(exact / structural)"]  # (test_numerics' deliberate failure)
         for i, c in enumerate(checks):
             cells = []
             for s in settings:
@@ -142,7 +170,12 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/numerics-cpu")
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--tests", default=",".join(TESTS), help="comma-separated pytest node ids")
+    ap.add_argument("--render", action="store_true", help="only rewrite <out>.md from <out>.json")
     a = ap.parse_args()
+    if a.render:
+        out = ROOT / a.out
+        out.with_suffix(".md").write_text(markdown(json.loads(out.with_suffix(".json").read_text())))
+        return
     tests_ = a.tests.split(",")
     work = Path(tempfile.gettempdir()) / "opd-numerics-sweep"
     work.mkdir(exist_ok=True)

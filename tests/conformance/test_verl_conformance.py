@@ -160,7 +160,10 @@ def _compare(ours, theirs):
         got, ref, bound = ours[key]
         numerics.check(got, ref, bound, f"ours: {key}")
         numerics.check(theirs[i], ref, bound, f"verl: {key}")
-    assert ours["grad"][0].abs().sum() > 0
+    # exactly the logits rows whose exact gradient is 0 (not a response position; every loss at the
+    # clamp, as some seeds give) get an fp32 gradient of exactly 0 on both sides
+    zero = ours["grad"][1].abs().sum(-1) == 0
+    assert torch.equal(ours["grad"][0].abs().sum(-1) == 0, zero) and torch.equal(theirs[1].abs().sum(-1) == 0, zero)
 
 
 AGG = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

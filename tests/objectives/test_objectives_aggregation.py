@@ -69,8 +69,14 @@ def test_chunked_equals_unchunked(key, mode, seed):
         numerics.check(value.detach(), ref_value, b_value, f"chunk {chunk_size}: value")
         numerics.check(leaf.grad, ref_grad, b_grad, f"chunk {chunk_size}: d value / d logits")
         results.append((value.detach(), leaf.grad))
-    assert results[0][1].abs().sum() > 0  # the objective does move the student
-    assert all(g[1].abs().sum() == 0 for _, g in results)  # the empty sequence gets no gradient (exactly)
+    # exactly the positions whose exact gradient is 0 (masked out; every loss at the clamp, as some
+    # seeds give for k2/mse/abs at clamp 2) get an fp32 gradient of exactly 0, the others move
+    for _, g in results:
+        assert torch.equal(g.abs().sum(-1) == 0, ref_grad.abs().sum(-1) == 0)
+        assert g[1].abs().sum() == 0  # the empty sequence gets no gradient (exactly)
+    leaf = batch.logits.clone().requires_grad_(True)  # without the clamp the objective moves the student
+    _weighted_loss(batch, leaf, cfg_for(key, loss_agg_mode=mode), 10_000).backward()
+    assert leaf.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("mode", O.AGG_MODES)

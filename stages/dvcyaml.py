@@ -30,11 +30,12 @@ PIPELINE = {
               "    # carries them, so `dvc exp show` and `dvc plots diff` can compare experiments\n"
               f"    plots:\n      - {RUN}/history.csv:\n          x: step\n"),
     "evaluate": ("opd stage evaluate --params params.yaml", "stages.evaluate", [f"{RUN}/train.json"], [],
-                 f"    metrics:\n      - {RUN}/metrics.json\n"),
+                 f"    metrics:\n      - {RUN}/metrics.json\n"
+                 f"    outs:\n      - {RUN}/answers.json:\n          cache: false\n"),
     "export": ("opd stage export --params params.yaml", "stages.export", [f"{RUN}/train.json"], [],
                "    outs:\n      - artifacts/export/${run}:\n          cache: false\n"),
     "report": ("opd stage report --params params.yaml", "stages.report",
-               [f"{RUN}/train.json", f"{RUN}/history.csv", f"{RUN}/metrics.json"], [],
+               [f"{RUN}/train.json", f"{RUN}/history.csv", f"{RUN}/metrics.json", f"{RUN}/answers.json"], [],
                f"    outs:\n      - {RUN}/report.html:\n          cache: false\n"),
 }
 

@@ -1,10 +1,17 @@
 """evaluate: on held-out prompts, mean per-token KL(teacher || student) over the full vocabulary and
 top-1 agreement, for the initial (policy 0) and the final student.
 
+A metric can improve while the answers are degenerate (a student that learned to print newlines
+"lowers KL" on its own text, because the teacher then predicts newlines too), so every greedy
+answer set also reports what a reader would see: the share of answers holding any non-whitespace
+character, the share of distinct bigrams among all answer bigrams, and the first held-out prompts
+with teacher / initial / final answers side by side.
+
 Two views, both greedy and deterministic: on the teacher's own responses (the same tokens for
 both students: the cleanest before/after comparison) and on each student's own responses (what
-on-policy distillation optimises). Writes eval.json + samples.parquet in the store and
-metrics.json in the run view (DVC metrics).
+on-policy distillation optimises). Writes eval.json + samples.parquet in the store, and in the run
+view metrics.json (the numbers: DVC metrics, one `dvc exp show` column each) and answers.json (the
+side-by-side answers, text kept out of the metrics table).
 """
 from __future__ import annotations
 
@@ -39,6 +46,20 @@ def measure(sess: Session, student, prompts, responses) -> dict:
             "tokens": int(kl.numel())}
 
 
+SIDE_BY_SIDE = 4  # held-out prompts shown with all three answers in metrics.json and the report
+
+
+def answers(tok, responses: list[list[int]]) -> dict:
+    """What the greedy answers look like: `nonblank` = share holding a non-whitespace character,
+    `distinct_bigrams` = distinct token bigrams / all token bigrams (1.0 = no bigram repeats; a
+    run of newlines gives almost 0), mean length in tokens."""
+    text = [tok.decode(r, skip_special_tokens=True) for r in responses]
+    bigrams = [tuple(r[i:i + 2]) for r in responses for i in range(len(r) - 1)]
+    return {"nonblank": round(sum(bool(t.strip()) for t in text) / max(len(text), 1), 6),
+            "distinct_bigrams": round(len(set(bigrams)) / len(bigrams), 6) if bigrams else 0.0,
+            "mean_tokens": round(sum(map(len, responses)) / max(len(responses), 1), 3)}
+
+
 def run(sess: Session) -> dict:
     cfg, K = sess.cfg, sess.cfg.train.updates
     dig = sess.chain.evaluate()
@@ -52,17 +73,21 @@ def run(sess: Session) -> dict:
         with phase(sess.device, state) as ph:
             teacher_resp = greedy(sess, sess.teacher(), sampler.make(sess.teacher(), cfg.rollout.cuda_graphs),
                                   prompts)
-            result, rows = {}, []
+            result, rows, said = {"teacher": {"answers": answers(tok, teacher_resp)}}, [], {"teacher": teacher_resp}
             for name, k in (("initial", 0), ("final", K)):
                 student = sess.use_policy(k)
-                own = greedy(sess, student, sess.engine(), prompts)
+                own = said[name] = greedy(sess, student, sess.engine(), prompts)
                 result[name] = {"on_teacher_text": measure(sess, student, prompts, teacher_resp),
-                                "on_own_text": measure(sess, student, prompts, own)}
+                                "on_own_text": measure(sess, student, prompts, own), "answers": answers(tok, own)}
                 rows += [{"policy": name, "prompt": tok.decode(p), "response": tok.decode(r)}
                          for p, r in zip(prompts, own)]
             ph["tokens"] = sum(map(len, teacher_resp))
         rows += [{"policy": "teacher", "prompt": tok.decode(p), "response": tok.decode(r)}
                  for p, r in zip(prompts, teacher_resp)]
+        result["side_by_side"] = [
+            {"prompt": _user_text(ev.column(cfg.data.prompt_key)[i].as_py()),
+             **{who: tok.decode(said[who][i], skip_special_tokens=True) for who in ("teacher", "initial", "final")}}
+            for i in range(min(SIDE_BY_SIDE, len(prompts)))]
         for view in ("on_teacher_text", "on_own_text"):
             a, b = result["initial"][view]["kl"], result["final"][view]["kl"]
             result[f"kl_reduction_{view}"] = round((a - b) / a, 6) if a > 0 else 0.0
@@ -72,8 +97,17 @@ def run(sess: Session) -> dict:
 
     d, _ = sess.store.ensure("evaluate", dig, produce)
     result = json.loads((d / "eval.json").read_text())
-    write_json(sess.run_dir / "metrics.json", {"eval": result, "updates": K})
+    write_json(sess.run_dir / "metrics.json", {"eval": {k: v for k, v in result.items() if k != "side_by_side"},
+                                               "updates": K})
+    write_json(sess.run_dir / "answers.json", {"updates": K, "side_by_side": result["side_by_side"]})
     return result
+
+
+def _user_text(messages) -> str:
+    """The last user turn of a chat prompt (what a reader asked), or the prompt itself if a string."""
+    if isinstance(messages, str):
+        return messages
+    return next((m["content"] for m in reversed(messages) if m.get("role") == "user"), str(messages))
 
 
 def main(sess: Session) -> dict:
@@ -81,7 +115,9 @@ def main(sess: Session) -> dict:
     r = run(sess)
     t = r["initial"]["on_teacher_text"]["kl"], r["final"]["on_teacher_text"]["kl"]
     o = r["initial"]["on_own_text"]["kl"], r["final"]["on_own_text"]["kl"]
+    a = r["initial"]["on_teacher_text"]["top1_agreement"], r["final"]["on_teacher_text"]["top1_agreement"]
     print(f"evaluate: held-out KL(teacher||student) on teacher text {t[0]:.4f} -> {t[1]:.4f}; "
-          f"on own text {o[0]:.4f} -> {o[1]:.4f}"
+          f"on own text {o[0]:.4f} -> {o[1]:.4f}; top-1 agreement on teacher text {a[0]:.3f} -> {a[1]:.3f}; "
+          f"non-blank answers {r['final']['answers']['nonblank']:.0%}"
           + (" (published by an earlier run: reused)" if reused else ""))
     return r

@@ -58,7 +58,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("update", 3, ("objective", "optim", "lora", "train.chunk", "rollout.temperature",
                         "train.activation_checkpointing", "student.quant", "student.double_quant") + RUNTIME,
           ("policy", "rollout", "score", "student"), "train"),
-    Stage("evaluate", 1, ("eval", "train.updates") + RUNTIME,
+    # evaluate 2: eval.json adds the answers (non-blank share, distinct bigrams) and the side-by-side samples
+    Stage("evaluate", 2, ("eval", "train.updates") + RUNTIME,
           ("initial", "final", "prompts", "teacher", "teacher_adapter", "student"), "evaluate"),
     Stage("tooleval", 1, ("env.max_turns", "env.max_tokens_per_turn") + RUNTIME,
           ("policy", "policy_stage", "tasks", "student"), None),

@@ -194,6 +194,7 @@ def render(run_dir: Path, samples_per_step: int = 3) -> str:
     history = read_history(run_dir)
     cfg = read_config(run_dir)
     metrics = _json(run_dir / "metrics.json")
+    answers = _json(run_dir / "answers.json")
     train = _json(run_dir / "train.json")
     prepared = _json(run_dir / "prepare.json")
     reused = [r["step"] for r in history if r.get("reused")]
@@ -208,6 +209,8 @@ def render(run_dir: Path, samples_per_step: int = 3) -> str:
     ev = (metrics or {}).get("eval", {})
     if "kl_reduction_on_teacher_text" in ev:
         cards.append(("held-out KL reduction", _pct(ev["kl_reduction_on_teacher_text"])))
+        agree = [ev[p]["on_teacher_text"].get("top1_agreement") for p in ("initial", "final")]
+        cards.append(("held-out top-1 agreement", f"{_num(agree[0])} → {_num(agree[1])}"))
     mem = [s.get("peak_allocated_gib") or s.get("peak_rss_gib") for s in stats]
     mem = [m for m in mem if m is not None]
     if mem:
@@ -230,7 +233,7 @@ def render(run_dir: Path, samples_per_step: int = 3) -> str:
 <h2 id="curves">Training curves</h2><div class="curves">{curves}</div>
 <h2 id="phases">Time and memory per phase</h2>{phase_section(stats, history, train)}
 <h2 id="trajectories">Trajectories</h2>{trajectory_section(samples)}
-<h2 id="evaluation">Evaluation (held-out)</h2>{eval_section(metrics)}
+<h2 id="evaluation">Evaluation (held-out)</h2>{eval_section(metrics, answers)}
 </main></body></html>
 """
 

@@ -142,7 +142,7 @@ def trajectory_section(samples: list[tuple[int, list[dict]]]) -> str:
     return "".join(parts)
 
 
-def eval_section(metrics: dict | None) -> str:
+def eval_section(metrics: dict | None, answers: dict | None = None) -> str:
     if metrics is None:
         return '<p class="muted">No metrics.json yet (run the evaluate stage).</p>'
     ev = metrics.get("eval", metrics)
@@ -158,7 +158,21 @@ def eval_section(metrics: dict | None) -> str:
                          _num(b.get("top1_agreement")), _num(b.get("tokens", a.get("tokens")))])
         parts.append(_table(["held-out view", "KL initial", "KL final", "KL reduction", "top-1 initial",
                              "top-1 final", "tokens"], rows, "num"))
-    shown = {f"{p}.{v}" for p in ("initial", "final") for v in views} | {f"kl_reduction_{v}" for v in views}
+    # what the greedy answers look like: a falling KL with blank or repeating answers is no result
+    who = [w for w in ("teacher", "initial", "final") if isinstance(ev.get(w), dict) and "answers" in ev[w]]
+    if who:
+        parts.append(_table(["greedy answers of", "non-blank", "distinct bigrams", "mean tokens"],
+                            [[_esc(w), _pct(ev[w]["answers"].get("nonblank")),
+                              _num(ev[w]["answers"].get("distinct_bigrams")), _num(ev[w]["answers"].get("mean_tokens"))]
+                             for w in who], "num"))
+    side = (answers or {}).get("side_by_side") or []
+    if side:
+        parts.append("<h3>Held-out prompts, answers side by side (greedy)</h3>")
+        parts.append(_table(["prompt", "teacher", "student before", "student after"],
+                            [[_esc(r["prompt"])] + [f'<span class="resp">{_esc(r[k])}</span>'
+                                                    for k in ("teacher", "initial", "final")] for r in side]))
+    shown = ({f"{p}.{v}" for p in ("initial", "final") for v in views} | {f"kl_reduction_{v}" for v in views}
+             | {f"{w}.answers" for w in who})
     rest = [(k, v) for k, v in _flat(metrics) if not any(k.removeprefix("eval.").startswith(s) for s in shown)]
     if rest:
         parts.append(_table(["metric", "value"], [[_esc(k), _num(v)] for k, v in rest], "kv"))

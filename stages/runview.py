@@ -31,7 +31,7 @@ from .store import canonical, write_json
 
 VIEW = "view.json"
 # files in the view that describe one run as a whole: removed when another run takes the view over
-DERIVED = ("history.csv", "train.json", "metrics.json", "report.html", "config.json")
+DERIVED = ("history.csv", "train.json", "metrics.json", "answers.json", "report.html", "config.json")
 ORIGINS = {"params": "`dvc repro` / `--params FILE`", "overrides": "`opd run` / `opd stage` with overrides"}
 
 

@@ -39,6 +39,18 @@ def test_run_produces_a_complete_run_view(work):
         assert st[phase]["wall_s"] > 0 and st[phase]["tokens_per_s"] > 0 and "peak_rss_gib" in st[phase]
     metrics = json.loads((run / "metrics.json").read_text())["eval"]
     assert metrics["initial"]["on_teacher_text"]["kl"] > 0 and metrics["final"]["on_teacher_text"]["tokens"] > 0
+    # what the answers look like, next to the numbers: shares in [0, 1], and the side-by-side
+    # answers are the samples the evaluate stage stored (same decoded text, same prompts)
+    for who in ("teacher", "initial", "final"):
+        a = metrics[who]["answers"]
+        assert 0 <= a["nonblank"] <= 1 and 0 <= a["distinct_bigrams"] <= 1 and a["mean_tokens"] > 0, who
+    side = json.loads((run / "answers.json").read_text())["side_by_side"]
+    samples = pq.read_table(next((work / "artifacts" / "store" / "evaluate").glob("*/samples.parquet"))).to_pylist()
+    assert len(side) == 4 and "side_by_side" not in metrics
+    for who in ("teacher", "initial", "final"):
+        stored = [r["response"] for r in samples if r["policy"] == who][:4]
+        # (the side-by-side text drops special tokens: the stored response may end with EOS)
+        assert len(stored) == 4 and all(t.startswith(s[who]) for s, t in zip(side, stored)), who
     exp = work / "artifacts" / "export" / "default"
     man = json.loads((exp / "manifest.json").read_text())
     assert man["versions"]["torch"] and man["digests"]["final_policy"] == json.loads(

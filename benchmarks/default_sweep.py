@@ -20,6 +20,7 @@ Markdown. Writes <out>/<date>-default-sweep.json and .md.
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime as dt
 import itertools
 import json
@@ -49,10 +50,12 @@ def point(work: Path, keep: int, updates: int, lr: float, extra: list[str]) -> d
         return {"name": name, "keep": keep, "updates": updates, "lr": lr, "error": r.stderr.strip()[-2000:]}
     view = work / "artifacts" / "runs" / name
     m = json.loads((view / "metrics.json").read_text())["eval"]
-    steps = json.loads((view / "train.json").read_text()).get("timings", {}).get("step_wall_s", [])
+    # seconds per update from each step's own phase records (history.csv), also for steps an
+    # earlier point computed and this one reused
+    steps = [sum(float(row[f"{ph}_wall_s"]) for ph in ("rollout", "score", "update"))
+             for row in csv.DictReader(open(view / "history.csv"))]
     return {"name": name, "keep": keep, "updates": updates, "lr": lr, "overrides": extra, "wall_s": round(wall, 1),
             "step_s_median": round(sorted(steps)[len(steps) // 2], 3) if steps else None,
-            "steps_computed": len(steps),
             "agreement": [m["initial"]["on_teacher_text"]["top1_agreement"], m["final"]["on_teacher_text"]["top1_agreement"]],
             "kl_teacher_text": [m["initial"]["on_teacher_text"]["kl"], m["final"]["on_teacher_text"]["kl"]],
             "kl_own_text": [m["initial"]["on_own_text"]["kl"], m["final"]["on_own_text"]["kl"]],

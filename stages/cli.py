@@ -82,7 +82,8 @@ def cmd_params(args) -> None:
     from . import config
 
     config.write_params(args.overrides, args.out, config.conf_dir())
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out}" + (" (for `dvc repro`; `dvc exp run -S` composes conf/ afresh and does not keep "
+                                 "these overrides: pass them all to -S)" if args.overrides else ""))
 
 
 def cmd_run(args) -> None:

@@ -37,7 +37,7 @@ COVERED = {
     "dvc repro": "tests/integration/test_dvc_plots.py::test_history_has_the_columns_the_issue_asks",
     "dvc exp run -S train.updates=48 -S objective.topk=16":
         "tests/integration/test_dvc_plots.py::test_exp_show_and_plots_diff_compare_experiments",
-    "dvc exp show": "tests/integration/test_dvc_plots.py::test_exp_show_and_plots_diff_compare_experiments",
+    "dvc exp show --only-changed": "tests/integration/test_dvc_plots.py::test_exp_show_and_plots_diff_compare_experiments",
     "dvc plots diff": "tests/integration/test_dvc_plots.py::test_exp_show_and_plots_diff_compare_experiments",
     "dvc plots show": "tests/integration/test_dvc_plots.py::test_plots_show_renders_the_curves",
     # the real experiment takes hours on a CPU: its config is validated and its README table checked

@@ -85,6 +85,11 @@ def test_exp_show_and_plots_diff_compare_experiments(repo):
         p = rev["data"]["params"]["params.yaml"]["data"]
         got[name] = (p["train"]["updates"], m["updates"], m["eval"]["final"]["on_teacher_text"]["kl"])
     assert got["baseline"][:2] == (3, 3) and got["exp"][:2] == (4, 4)
+    # the README's --only-changed: the varied setting is a column, settings both share are not
+    # (DVC applies --only-changed to the table, and so to its CSV form; --json stays complete)
+    header = dvc("exp", "show", "--only-changed", "--csv", cwd=repo).stdout.splitlines()[0].split(",")
+    assert any(c.endswith("train.updates") for c in header) and not any(c.endswith("lora.r") for c in header), header
+    assert len(header) < len(dvc("exp", "show", "--csv", cwd=repo).stdout.splitlines()[0].split(",")) / 2, header
     diff = json.loads(dvc("plots", "diff", baseline["rev"], exp["rev"], "--json", cwd=repo).stdout)
     assert not diff.get("errors"), diff.get("errors")
     values = diff["data"]["KL and loss per update"][0]["content"]["data"]["values"]

@@ -30,7 +30,7 @@ def overrides(shape: dict, extra: list[str]) -> list[str]:
 
 
 def main(path: str) -> None:
-    from stages import config, plan
+    from stages.blocks import config, plan
 
     src = Path(path)
     result = json.loads(src.read_text())

@@ -37,8 +37,9 @@ def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from stages import config, rollout, score, train, update
+    from stages import rollout, score, train, update
     from stages import session as session_mod
+    from stages.blocks import config
     from support import TINY
 
     work = Path(tempfile.mkdtemp(prefix="opd-sync-"))

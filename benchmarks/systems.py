@@ -97,7 +97,8 @@ def seed_store(w: dict, work: Path, tokenizer: str) -> dict:
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from stages import config, tables, train
+    from stages import train
+    from stages.blocks import config, tables
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
     n_train = w["prompts"] * w["updates"]
@@ -125,7 +126,7 @@ def fresh_artifacts(work: Path, name: str) -> Path:
 
 def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile: Path | None = None,
                   extra: tuple[str, ...] = (), name: str = "opd-stages") -> dict:
-    from stages import config
+    from stages.blocks import config
 
     tokenizer = str(Path(tokenizer).resolve())
     art = fresh_artifacts(work, name)
@@ -188,7 +189,8 @@ def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from stages import config, rollout, score, train, update
+    from stages import rollout, score, train, update
+    from stages.blocks import config
 
     # its own run name: the profiled run has two more updates, and a run view holds one run
     over = [o for o in overrides if not o.startswith("run=")] + ["run=profile", f"train.updates={done + 2}"]
@@ -221,8 +223,9 @@ def ours_blocks(w: dict) -> dict:
     from types import SimpleNamespace
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from stages import adapters, config, lmhead, models, sampler, update
-    from stages.config import LoraCfg
+    from stages import update
+    from stages.blocks import adapters, config, lmhead, models, sampler
+    from stages.blocks.config import LoraCfg
 
     def build(name, seed):
         spec = {k: v for k, v in models.arch_config(name).items() if k != "_comment"}

@@ -21,10 +21,10 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from . import lmhead, runview, sampler, tables
-from .prompts import prompt_ids
+from .blocks import lmhead, runview, sampler, tables
+from .blocks.prompts import prompt_ids
+from .blocks.store import write_json
 from .session import Session, phase
-from .store import write_json
 
 
 def greedy(sess: Session, model, engine, prompts: list[list[int]]) -> list[list[int]]:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from . import identity, models, prompts, runview, tables, tooluse
-from .errors import UserError
+from .blocks import identity, models, prompts, runview, tables, tooluse
+from .blocks.errors import UserError
+from .blocks.store import fault, file_hash, write_json
 from .session import Session
-from .store import fault, file_hash, write_json
 from .verl.data import read_verl_parquet
 
 

@@ -11,11 +11,12 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from . import batch, lmhead, memory, objectives, selection, tables, tooluse
-from .config import logit_temperature
-from .errors import UserError
+from . import objectives
+from .blocks import batch, lmhead, memory, selection, tables, tooluse
+from .blocks.config import logit_temperature
+from .blocks.errors import UserError
+from .blocks.store import seed_of, write_json
 from .session import Session, phase
-from .store import seed_of, write_json
 
 
 def select_positions(sess: Session, ro: pa.Table, seed: int) -> np.ndarray:

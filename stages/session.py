@@ -1,5 +1,5 @@
 """A resolved run: config, store, device, the resident models, and the digest chain of its stages
-(stages/identity.py computes it; docs/architecture.md describes it)."""
+(stages/blocks/identity.py computes it; docs/architecture.md describes it)."""
 from __future__ import annotations
 
 import json
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from . import adapters, identity, memory, models, plan, reproducible, sampler
-from .config import Config, logit_temperature
-from .errors import UserError
-from .store import Store, link, seed_of, write_json
+from .blocks import adapters, identity, memory, models, plan, reproducible, sampler
+from .blocks.config import Config, logit_temperature
+from .blocks.errors import UserError
+from .blocks.store import Store, link, seed_of, write_json
 
 
 class Session:
@@ -33,13 +33,13 @@ class Session:
         self.device = models.resolve_device(cfg.runtime.device)
         self.dtype = models.resolve_dtype(cfg.runtime.dtype, self.device)
         # Always an explicit count (the default: torch's own): it also turns MKL's dynamic threading
-        # off, one of MKL's conditions for reproducible results (stages/reproducible.py).
+        # off, one of MKL's conditions for reproducible results (stages/blocks/reproducible.py).
         torch.set_num_threads(cfg.runtime.threads or torch.get_num_threads())
         self._prepared: dict | None = None
         self._chain: identity.Chain | None = None
         self._student = self._teacher = self._engine = self._tok = None
         self._policy: str | None = None  # digest of the policy whose adapter the student holds
-        # memory.placement as the plan resolves it (stages/plan.py); a probe may fix it up front
+        # memory.placement as the plan resolves it (stages/blocks/plan.py); a probe may fix it up front
         self._placement: str | None = placement
         self._on_host: set[str] = set()  # placement swap: the roles waiting in host memory
         # the resident AdamW between updates: (policy digest it has stepped to, optimizer, named params)
@@ -202,7 +202,7 @@ class Session:
                 s["threads"] = torch.get_num_threads()
         return s
 
-    # ---- digest chain (computed from the stages' declarations: stages/identity.py) ----
+    # ---- digest chain (computed from the stages' declarations: stages/blocks/identity.py) ----
     @property
     def chain(self) -> identity.Chain:
         if self._chain is None:

@@ -21,11 +21,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import adapters, envs, lmhead, models, objectives, prompts, tooluse
+from . import envs, objectives
+from .blocks import adapters, lmhead, models, prompts, tooluse
+from .blocks.errors import UserError
+from .blocks.store import seed_of, write_json
 from .envs import protocol
-from .errors import UserError
 from .session import Session, phase
-from .store import seed_of, write_json
 
 # ---- traces ----
 

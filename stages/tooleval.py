@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from . import envs, tables, tooluse
+from . import envs
+from .blocks import tables, tooluse
+from .blocks.store import write_json
 from .envs import protocol
 from .session import Session, phase
-from .store import write_json
 
 _NUM = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
 

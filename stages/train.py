@@ -16,10 +16,11 @@ import time
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import prepare, rollout, runview, score, sft, update
-from .config import Config
+from . import prepare, rollout, score, sft, update
+from .blocks import runview
+from .blocks.config import Config
+from .blocks.store import fault, read_state, write_json
 from .session import Session
-from .store import fault, read_state, write_json
 
 HISTORY_COLS = ["step", "loss", "kl", "grad_norm", "teacher_topk_mass", "student_topk_mass", "topk_overlap",
                 "rollout_tokens_per_s", "score_tokens_per_s", "update_tokens_per_s", "rollout_wall_s",
@@ -28,7 +29,7 @@ HISTORY_COLS = ["step", "loss", "kl", "grad_norm", "teacher_topk_mass", "student
 
 def session(cfg: Config, placement: str | None = None, origin: str = "overrides") -> Session:
     """A Session with prepare's record in place (models materialised, prompts and tasks published).
-    origin: how the config was given (stages/runview.py): "params" (a params file) or "overrides"."""
+    origin: how the config was given (stages/blocks/runview.py): "params" (a params file) or "overrides"."""
     sess = Session(cfg, placement, origin)
     prepare.run(sess)
     return sess

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from . import adapters, batch, lmhead, memory, models, objectives, tables
-from .config import logit_temperature
-from .errors import UserError
+from . import objectives
+from .blocks import adapters, batch, lmhead, memory, models, tables
+from .blocks.config import logit_temperature
+from .blocks.errors import UserError
+from .blocks.store import fault, write_json
 from .session import Session, phase
-from .store import fault, write_json
 
 
 def load_scores(path: Path, topk: int) -> dict:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from stages import cli, dvcyaml
+from stages import cli
+from stages.tools import dvcyaml
 
 
 @pytest.mark.parametrize("argv,new", [

@@ -15,8 +15,9 @@ from support import TINY, opd, session
 from safetensors.torch import load_file
 
 import numerics
-from stages import batch, lmhead, memory, models, rollout, sampler, score, tables, train, update
-from stages.errors import UserError
+from stages import rollout, score, train, update
+from stages.blocks import batch, lmhead, memory, models, sampler, tables
+from stages.blocks.errors import UserError
 from stages.session import Session
 from test_sampler import tempered_logprob
 

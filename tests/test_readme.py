@@ -43,7 +43,7 @@ COVERED = {
     # the real experiment takes hours on a CPU: its config is validated and its README table checked
     # against the committed result; the same command runs end to end on a tiny config
     "opd benchmark tooluse conf/benchmark/tooluse.yaml":
-        "tests/test_benchmark.py::test_the_committed_tooluse_result_matches_its_config_and_the_readme",
+        "tests/tools/test_benchmark.py::test_the_committed_tooluse_result_matches_its_config_and_the_readme",
 }
 # Example names in the README -> what stands in for them here (filled in by the `workspace` fixture).
 PLACEHOLDERS = ("/models/my-student", "/models/my-teacher", "/data/train.parquet", "s0003-p00034-0")

@@ -9,10 +9,11 @@ import torch
 
 import numerics
 from support import session
-from stages import envs, sft, tooluse, train
+from stages import envs, sft, train
+from stages.blocks import tooluse
+from stages.blocks.errors import UserError
+from stages.blocks.store import read_state
 from stages.envs import protocol
-from stages.errors import UserError
-from stages.store import read_state
 
 TOOL = ["env.name=calculator", "env.split=hard", "env.num_train=8", "env.num_test=2", "env.max_turns=3",
         "env.max_tokens_per_turn=8"]

@@ -10,8 +10,9 @@ import torch
 from torch.func import grad_and_value
 
 import numerics
-from stages import adapters, config, lmhead, models, objectives, update
-from stages.config import LoraCfg
+from stages import objectives, update
+from stages.blocks import adapters, config, lmhead, models
+from stages.blocks.config import LoraCfg
 from support import seeds
 from test_sampler import tiny
 
@@ -193,8 +194,8 @@ def test_background_publish_writes_the_same_bytes_on_the_publish_thread(work, mo
     import shutil
     import threading
 
-    from stages import store as store_mod
     from stages import train
+    from stages.blocks import store as store_mod
     from stages.session import Session
     from support import session
 
@@ -234,7 +235,8 @@ def test_background_publish_writes_the_same_bytes_on_the_publish_thread(work, mo
 def test_on_cpu_an_update_drops_the_engine_and_the_next_one_holds_the_new_policy(work):
     """CPU: the update does not refresh the sampling weights in place; the next rollout builds them
     from the resident policy, the construction a resumed process uses (one path for both)."""
-    from stages import sampler, train
+    from stages import train
+    from stages.blocks import sampler
     from support import session
 
     sess = session(work, "train.updates=1")

@@ -15,9 +15,9 @@ import io
 import os
 from pathlib import Path
 
-from ..errors import UserError
-from ..models import peft_wrap_quietly, tokenizer_fingerprint
-from ..prompts import prompt_ids
+from ..blocks.errors import UserError
+from ..blocks.models import peft_wrap_quietly, tokenizer_fingerprint
+from ..blocks.prompts import prompt_ids
 from .data import read_verl_parquet
 
 

@@ -7,7 +7,7 @@
     opd compat explain FIELD | table [--out docs/compat.md]
     opd data sample --format verl-parquet --out FILE [--rows N] [overrides]
 
-`opd plan` without --profile is the weight-free memory plan (stages/plan.py); with --profile it maps
+`opd plan` without --profile is the weight-free memory plan (stages/blocks/plan.py); with --profile it maps
 the verl config first, then plans memory. The verl bundle is `opd stage export --verl OUT [--gpus N
 --nodes M --teacher-gpus T --teacher-tp K --gpu-gib G]` (stages/cli.py; its options: bundle_arguments).
 """
@@ -16,9 +16,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .. import config, planview, train
-from .. import plan as memory_planner
-from ..errors import UserError
+from .. import train
+from ..blocks import config
+from ..blocks import plan as memory_planner
+from ..blocks.errors import UserError
+from ..tools import planview
 from . import compat, data, planfile
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .. import prompts, tables
-from ..errors import UserError
+from ..blocks import prompts, tables
+from ..blocks.errors import UserError
 
 
 def read_verl_parquet(path: str, prompt_key: str) -> pa.Table:

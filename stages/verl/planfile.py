@@ -2,7 +2,7 @@
 
 The plan records what was asked (profile, config, --set, --accept, our overrides), what it maps to
 (our Hydra overrides and the resolved config) and the weight-free memory plan's estimate
-(stages/plan.py); an infeasible estimate is written, then refused. `digest`
+(stages/blocks/plan.py); an infeasible estimate is written, then refused. `digest`
 is the sha256 of the canonical JSON of everything else, so `opd run --plan` refuses a plan edited
 after planning; it also recomposes the config from the recorded overrides and refuses to run if
 conf/ has changed since (the plan would be stale).
@@ -16,12 +16,12 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from .. import config as config_mod
-from .. import files
-from .. import plan as memory_planner
-from .. import probe as memory_probe
-from ..errors import UserError
-from ..shapes import shape_of
+from ..blocks import config as config_mod
+from ..blocks import files
+from ..blocks import plan as memory_planner
+from ..blocks.errors import UserError
+from ..blocks.shapes import shape_of
+from ..tools import probe as memory_probe
 from . import mapping
 
 SCHEMA = "opd-plan/1"
@@ -36,7 +36,7 @@ def content_digest(plan: dict) -> str:
 
 
 def memory_plan(cfg) -> dict:
-    """The weight-free memory plan of `cfg` (stages/plan.py)."""
+    """The weight-free memory plan of `cfg` (stages/blocks/plan.py)."""
     return memory_planner.estimate(cfg)
 
 

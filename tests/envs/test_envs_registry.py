@@ -5,9 +5,9 @@ import pyarrow as pa
 import pytest
 
 from stages import envs
+from stages.blocks.errors import UserError
 from stages.envs import protocol
 from stages.envs.task import identity_digest, part_of
-from stages.errors import UserError
 
 ENV_SPLITS = [(name, split) for name, env in envs.REGISTRY.items() for split in env.SPLITS]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages import lmhead, sampler
+from stages.blocks import lmhead, sampler
 from test_sampler import PROMPTS, hf_greedy, tiny, with_trained_lora
 
 pytestmark = pytest.mark.gpu

@@ -97,7 +97,7 @@ def _wrap_reader(mod, name: str, via: str) -> None:
 
 
 def _wrap_store() -> None:
-    from stages import store
+    from stages.blocks import store
 
     Store = store.Store
     if getattr(Store, "_opd_traced", False):

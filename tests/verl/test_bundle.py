@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from support import opd
-from stages import config, tables
+from stages.blocks import config, tables
 from stages.verl import bundle, keys
 
 

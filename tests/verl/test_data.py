@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from support import TINY, opd, session
-from stages import prepare, prompts, tables
-from stages.errors import UserError
+from stages import prepare
+from stages.blocks import prompts, tables
+from stages.blocks.errors import UserError
 
 
 @pytest.mark.parametrize("policy", ["left", "right", "middle"])

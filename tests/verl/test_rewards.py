@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from support import session
-from stages import objectives, rewards, tables
-from stages.config import compose
-from stages.errors import UserError
-from stages.store import read_state
+from stages import objectives
+from stages.blocks import rewards, tables
+from stages.blocks.config import compose
+from stages.blocks.errors import UserError
+from stages.blocks.store import read_state
 from stages.update import trajectory_advantages
 
 

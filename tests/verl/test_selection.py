@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from support import session
-from stages import selection
-from stages.config import SelectionCfg
-from stages.errors import UserError
-from stages.store import read_state
+from stages.blocks import selection
+from stages.blocks.config import SelectionCfg
+from stages.blocks.errors import UserError
+from stages.blocks.store import read_state
 
 
 def masks(*lens, zero_at=None):
@@ -86,7 +86,8 @@ def test_bad_selection_settings_name_the_key(kw, key):
 
 
 def test_score_records_selection_and_update_trains_on_it(work):
-    from stages import batch, rollout, score, train, update
+    from stages import rollout, score, train, update
+    from stages.blocks import batch
 
     sess = session(work, "selection.mode=uniform_ratio", "selection.ratio=0.5", "train.updates=1")
     train.ensure_policy(sess, 0)
@@ -104,7 +105,7 @@ def test_score_records_selection_and_update_trains_on_it(work):
     u = update.run(sess, 1)
     assert read_state(u)["loss"] > 0
     # replay: the same digest selects the same positions
-    from stages.store import seed_of
+    from stages.blocks.store import seed_of
 
     ro = batch.read_rollout(sess.store.path("rollout", sess.rollout_digest(1)) / "rollout.parquet")
     again = score.select_positions(sess, ro, seed_of(st["digest"]))
@@ -114,7 +115,8 @@ def test_update_with_keep_equals_update_with_the_mask_zeroed(work):
     """Selecting positions = training on the batch with the unselected positions masked out."""
     import torch
 
-    from stages import lmhead, update
+    from stages import update
+    from stages.blocks import lmhead
 
     sess = session(work)
     student = sess.student()

@@ -1,4 +1,4 @@
-"""Unit tests for stages/store.py: digests, atomic publish, manifests, locking."""
+"""Unit tests for stages/blocks/store.py: digests, atomic publish, manifests, locking."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from stages.store import Store, digest, file_hash, link
+from stages.blocks.store import Store, digest, file_hash, link
 
 BASE = ("rollout", 1, {"rollout": {"n": 1}}, {"policy": "a" * 32})
 

@@ -11,12 +11,13 @@ import json
 import numpy as np
 import torch
 
-from . import identity as stage_identity
-from . import lmhead, models, objectives, train, update
-from .config import logit_temperature
-from .errors import UserError
-from .session import phase
-from .store import Store, write_json
+from .. import objectives, train, update
+from ..blocks import identity as stage_identity
+from ..blocks import lmhead, models
+from ..blocks.config import logit_temperature
+from ..blocks.errors import UserError
+from ..blocks.store import Store, write_json
+from ..session import phase
 
 
 def identity(cfg, est: dict) -> dict:

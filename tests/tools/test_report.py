@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from support import TINY, opd
+from support import ROOT, TINY, opd
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (Debian package "
@@ -144,7 +144,7 @@ def blankness(png: bytes) -> dict:
 def finished_run(tmp_path_factory, seeded_store) -> Path:
     """A tiny run through train and evaluate (no export: the report does not read it)."""
     d = tmp_path_factory.mktemp("report")
-    (d / "conf").symlink_to(Path(__file__).resolve().parent.parent / "conf")
+    (d / "conf").symlink_to(ROOT / "conf")
     for part in ("tokenizer", "model"):
         shutil.copytree(seeded_store / part, d / "artifacts" / "store" / part)
     opd("stage", "train", *TINY, cwd=d)

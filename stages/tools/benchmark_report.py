@@ -1,4 +1,4 @@
-"""The benchmark's outputs: versioned-schema JSON and a Markdown table (stages/benchmark.py runs it).
+"""The benchmark's outputs: versioned-schema JSON and a Markdown table (stages/tools/benchmark.py runs it).
 
 JSON: schema/schema_version, the benchmark config as given, the resolved base config of seed 0,
 machine and library versions, one record per (arm, seed), per-arm means over seeds, and the
@@ -10,9 +10,9 @@ import os
 import platform
 from pathlib import Path
 
-from .config import to_dict
-from .models import env_versions
-from .store import write_json
+from ..blocks.config import to_dict
+from ..blocks.models import env_versions
+from ..blocks.store import write_json
 
 COLS = [("arm", "arm"), ("seed", "seed"), ("objective", "objective"), ("updates", "updates"),
         ("success", "strict success"), ("success_lenient", "lenient success"), ("avg_turns", "avg turns"),
@@ -53,7 +53,7 @@ def code_revision() -> str | None:
     """The git commit the result was computed with ('+dirty' when tracked files were modified)."""
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # stages/tools/ -> the repository
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=10).stdout.strip()

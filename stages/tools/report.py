@@ -19,10 +19,11 @@ import json
 import math
 from pathlib import Path
 
-from . import inspection, runview, tables
+from ..blocks import runview, tables
+from ..blocks.errors import UserError
+from . import inspection
 from .report_html import (CSP, STYLE, _esc, _num, _pct, config_section, eval_section, phase_section,
                           trajectory_section)
-from .errors import UserError
 
 # Curves drawn from history.csv: (title, y label, columns). A column missing from the file, or
 # empty in every row, is skipped; a figure with nothing left is not drawn.
@@ -39,7 +40,7 @@ CURVES = [
 # ---- reading the run view ----
 
 def locate(run: str | None, artifacts: str | None = None) -> Path:
-    """NAME, run=NAME or a run directory -> the run directory (stages/runview.py; UserError if none)."""
+    """NAME, run=NAME or a run directory -> the run directory (stages/blocks/runview.py; UserError if none)."""
     return runview.locate(run, artifacts)
 
 
@@ -79,7 +80,7 @@ def read_config(run_dir: Path) -> dict | None:
 
 
 def step_dirs(run_dir: Path) -> list[Path]:
-    """The update steps (k > 0) the run lists (stages/runview.py): never a step another run left."""
+    """The update steps (k > 0) the run lists (stages/blocks/runview.py): never a step another run left."""
     return [runview.step_dir(run_dir, k) for k in runview.steps(run_dir) if k > 0]
 
 

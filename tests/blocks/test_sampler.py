@@ -8,8 +8,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import numerics
-from stages import lmhead, models, sampler
-from stages.config import ROOT, LoraCfg
+from stages.blocks import lmhead, models, sampler
+from stages.blocks.config import ROOT, LoraCfg
 from support import seeds
 
 EOS, PAD = 2, 2

@@ -100,7 +100,7 @@ def test_the_committed_tooluse_result_matches_its_config_and_the_readme():
     arm x seed, the committed result must be that config's, and the README's table must quote it."""
     import re
 
-    from stages import benchmark
+    from stages.tools import benchmark
     from support import ROOT
 
     b = benchmark.load(ROOT / "conf" / "benchmark" / "tooluse.yaml")

@@ -1,4 +1,4 @@
-"""Stage identity declared once (stages/identity.py): digests pinned, reads enforced, dvc.yaml generated
+"""Stage identity declared once (stages/blocks/identity.py): digests pinned, reads enforced, dvc.yaml generated
 from the declarations. (tests/integration/test_dvc_params.py checks the generated dvc.yaml with real dvc.)"""
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 
-from stages import config, dvcyaml, identity
-from stages.config import ROOT
+from stages.blocks import config, identity
+from stages.blocks.config import ROOT
+from stages.tools import dvcyaml
 from support import TINY
 
 PREP = {"student": "5" * 32, "teacher": "7" * 32, "prompts": "a" * 32, "tasks_train": "b" * 32,
@@ -98,7 +99,7 @@ def test_dvc_yaml_is_generated_from_the_declarations():
 
 
 def test_only_identity_computes_stage_digests():
-    """Versions and digests live in stages/identity.py: no other module calls store.digest."""
+    """Versions and digests live in stages/blocks/identity.py: no other module calls store.digest."""
     callers = []
     for path in sorted((ROOT / "stages").rglob("*.py")):
         if path.name in ("identity.py", "store.py"):

@@ -49,7 +49,7 @@ def scores_schema(k: int) -> pa.Schema:
     """k = 0: the objective needs no top-k, so those columns are absent."""
     topk = [("topk_ids", pa.list_(pa.list_(pa.int32(), k))), ("topk_logprobs", pa.list_(pa.list_(pa.float32(), k))),
             ("topk_mass", pa.list_(pa.float32()))] if k else []
-    # selected: 1 where the position reached the LM head (stages/selection.py); elsewhere the
+    # selected: 1 where the position reached the LM head (stages/blocks/selection.py); elsewhere the
     # per-position values are NaN (top-k ids -1): never scored
     return pa.schema([("uid", pa.string()), ("teacher_logprobs", pa.list_(pa.float32())), *topk,
                       ("teacher_entropy", pa.list_(pa.float32())), ("selected", pa.list_(pa.int8()))])

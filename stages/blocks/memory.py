@@ -1,6 +1,6 @@
 """Memory at run time: the budget, model placement between phases, and the OOM retry of a phase.
 
-Placements (`memory.placement`, chosen weight-free by `opd plan`, stages/plan.py):
+Placements (`memory.placement`, chosen weight-free by `opd plan`, stages/blocks/plan.py):
 - resident: both roles stay on the device for the whole loop (nothing moves).
 - swap: the idle role waits in host memory: the teacher during rollout/update, the student (its
   LoRA, gradients, AdamW moments and rollout engine) during score. Only unquantized roles can move (bitsandbytes

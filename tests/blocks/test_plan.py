@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages import cli, config, phases, plan, shapes
-from stages.config import ROOT, LoraCfg, ModelCfg
-from stages.errors import UserError
+from stages import cli
+from stages.blocks import config, phases, plan, shapes
+from stages.blocks.config import ROOT, LoraCfg, ModelCfg
+from stages.blocks.errors import UserError
 from support import TOKENIZER
 
 GIB = 2**30
@@ -143,7 +144,7 @@ def test_activation_formula_matches_autograd_saved_tensors():
     against two) equal the plan's formula within 3%, in fp32 and bf16."""
     from test_sampler import tiny
 
-    from stages import lmhead, models
+    from stages.blocks import lmhead, models
 
     def saved(dtype, layers):
         m = tiny("tiny-llama-teacher", num_hidden_layers=layers).to(dtype).requires_grad_(False)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import runview, tables
-from .errors import UserError
+from ..blocks import runview, tables
+from ..blocks.errors import UserError
 
 
 def _locate(path: Path, step: int | None) -> tuple[Path, Path | None]:
@@ -29,7 +29,7 @@ def _locate(path: Path, step: int | None) -> tuple[Path, Path | None]:
 
 
 def run_steps(run_dir: Path, step: int | None) -> list[Path]:
-    """The step dirs of the run the view holds (stages/runview.py): --step N, else all of them."""
+    """The step dirs of the run the view holds (stages/blocks/runview.py): --step N, else all of them."""
     ks = [k for k in runview.steps(run_dir) if k > 0 and (runview.step_dir(run_dir, k) / "rollout.parquet").exists()]
     if not ks:
         raise UserError(f"{run_dir}: the run has no sampled step yet")

@@ -1,5 +1,5 @@
-"""`opd plan`: the weight-free memory plan (stages/plan.py) as a table, optionally with the CUDA
-probe's measured peaks beside it (stages/probe.py), and as JSON (--out)."""
+"""`opd plan`: the weight-free memory plan (stages/blocks/plan.py) as a table, optionally with the CUDA
+probe's measured peaks beside it (stages/tools/probe.py), and as JSON (--out)."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from . import config, plan, probe
-from .errors import UserError
+from ..blocks import config, plan
+from ..blocks.errors import UserError
+from . import probe
 
 
 def render(est: dict, console=None) -> None:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from support import OPD, ROOT, TINY, session
-from stages import doctor, reproducible
+from stages.blocks import reproducible
+from stages.tools import doctor
 
 needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch's BLAS is not MKL here")
 
@@ -39,11 +40,11 @@ def test_a_fresh_opd_process_runs_mkl_in_strict_mode(tmp_path):
     c = _doctor_checks(tmp_path, MKL_CBWR=None)["cpu reproducibility"]
     assert c["status"] == "ok" and "AUTO,STRICT" in c["detail"], c
     # so does `python -m stages...`, and any script importing stages before torch
-    code = "import stages, torch; from stages import reproducible as r; print(r.mode(), __import__('os').environ['MKL_CBWR'])"
+    code = "import stages, torch; from stages.blocks import reproducible as r; print(r.mode(), __import__('os').environ['MKL_CBWR'])"
     out = _run([sys.executable, "-c", code], tmp_path, MKL_CBWR=None, PYTHONPATH=str(ROOT)).stdout.split()
     assert out == ["AUTO,STRICT", "AUTO,STRICT"]
     # importing torch (and running MKL) first is too late: MKL reads the variable once
-    late = "import torch; torch.ones(8, 8) @ torch.ones(8, 8); import stages; from stages import reproducible as r; print(r.mode())"
+    late = "import torch; torch.ones(8, 8) @ torch.ones(8, 8); import stages; from stages.blocks import reproducible as r; print(r.mode())"
     assert _run([sys.executable, "-c", late], tmp_path, MKL_CBWR=None, PYTHONPATH=str(ROOT)).stdout.split() == ["BRANCH_OFF"]
 
 
@@ -88,7 +89,7 @@ def test_lock_differences_are_listed_by_doctor(tmp_path, monkeypatch):
                     f"{__import__('pyarrow').__version__}\n")
     # torch by public version (a local build label is no difference); uninstalled lock entries are none
     assert reproducible.lock_differences(lock) == [("transformers", transformers.__version__, "0.0.1")]
-    monkeypatch.setattr("stages.config.ROOT", tmp_path)
+    monkeypatch.setattr("stages.blocks.config.ROOT", tmp_path)
     c = {x.name: x for x in doctor.check_reproducibility()}["lock"]
     assert c.status == doctor.WARN and f"transformers {transformers.__version__} (lock 0.0.1)" in c.detail
     lock.write_text(f"torch=={public}\n")

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from . import envs, identity, prompts, tables
-from .envs import protocol
-from .envs.task import Task
+from .. import envs
+from ..envs import protocol
+from ..envs.task import Task
+from . import identity, prompts, tables
 from .errors import UserError
 
 # The block a privileged_context teacher reads in its system message; the student never sees it.

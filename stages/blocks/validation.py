@@ -1,12 +1,13 @@
 """Range, choice and combination checks of a composed config that its types cannot express; each
-failure is a UserError naming the key (stages/config.py calls `validate` on every config it builds)."""
+failure is a UserError naming the key (stages/blocks/config.py calls `validate` on every config it builds)."""
 from __future__ import annotations
 
 import re
 from typing import Any
 
-from . import envs, objectives, selection
-from .envs.task import check_split
+from .. import envs, objectives
+from ..envs.task import check_split
+from . import selection
 from .errors import UserError
 
 CHOICES = {

@@ -32,11 +32,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import tooleval, tooluse, train
+from .. import tooleval, train
+from ..blocks import tooluse
+from ..blocks.config import compose, conf_dir, read_yaml, to_dict
+from ..blocks.errors import UserError
+from ..blocks.store import read_state
 from .benchmark_report import write
-from .config import compose, conf_dir, read_yaml, to_dict
-from .errors import UserError
-from .store import read_state
 
 SCHEMA = "opd-stages/tooluse-benchmark"
 SCHEMA_VERSION = 1

@@ -12,9 +12,10 @@ import torch
 from support import seeds, session
 from safetensors.torch import load_file
 
-from stages import lmhead, models, train
-from stages.config import LoraCfg, ModelCfg
-from stages.errors import UserError
+from stages import train
+from stages.blocks import lmhead, models
+from stages.blocks.config import LoraCfg, ModelCfg
+from stages.blocks.errors import UserError
 
 
 @pytest.mark.parametrize("over", [

@@ -4,7 +4,7 @@ and the inputs its digest names; the digests are computed here from that declara
 A stage's digest is `store.digest(name, version, config slice, inputs)` (docs/architecture.md, "the
 digest rule"). The slice is built through `Reads`, which lets a stage see only the keys it declares:
 reading an undeclared key is an error, so the declaration cannot fall behind the code. `dvc.yaml`'s
-params and deps are generated from the same declaration (`opd dvc-yaml`, stages/dvcyaml.py).
+params and deps are generated from the same declaration (`opd dvc-yaml`, stages/tools/dvcyaml.py).
 
 Nothing here loads a model or needs a Session: `Chain` turns (config, runtime slice, prepare's
 record) into every digest of a run. Bump a stage's version when its output for the same inputs
@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import objectives
+from .. import objectives
 from .config import Config, slice_of
 from .store import digest
 
@@ -82,7 +82,7 @@ class Reads:
             return getattr(self._cfg, name)
         if any(k.startswith(key + ".") for k in self._keys):
             return Reads(getattr(self._cfg, name), self._stage, self._keys, key + ".")
-        raise KeyError(f"stage '{self._stage}' reads config key '{key}' without declaring it (stages/identity.py)")
+        raise KeyError(f"stage '{self._stage}' reads config key '{key}' without declaring it (stages/blocks/identity.py)")
 
 
 def reads(cfg: Config, stage: str) -> Any:
@@ -94,7 +94,7 @@ def make(stage: str, cfg_slice: dict, inputs: dict[str, Any]) -> str:
     s = STAGES[stage]
     extra = set(inputs) - set(s.inputs)
     if extra:
-        raise KeyError(f"stage '{stage}': undeclared inputs {sorted(extra)} (stages/identity.py)")
+        raise KeyError(f"stage '{stage}': undeclared inputs {sorted(extra)} (stages/blocks/identity.py)")
     return digest(stage, s.version, cfg_slice, inputs)
 
 
@@ -149,7 +149,7 @@ def tasks(cfg: Config, part: str, tokenizer_fp: str) -> str:
 def _declared(stage: str, names) -> None:
     extra = set(names) - set(STAGES[stage].inputs)
     if extra:
-        raise KeyError(f"stage '{stage}': undeclared inputs {sorted(extra)} (stages/identity.py)")
+        raise KeyError(f"stage '{stage}': undeclared inputs {sorted(extra)} (stages/blocks/identity.py)")
 
 
 def quant(c: Any, role: str) -> dict:

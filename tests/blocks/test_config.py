@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from stages import config
-from stages.config import ROOT
-from stages.errors import UserError
+from stages.blocks import config
+from stages.blocks.config import ROOT
+from stages.blocks.errors import UserError
 
 
 def test_defaults_compose_and_validate():

@@ -11,9 +11,10 @@ import torch
 import numerics
 from support import ROOT, TINY, opd, session
 from test_sampler import engine_hidden, tempered_logprob
-from stages import config, envs, lmhead, tables, tooleval, tooluse, train
+from stages import envs, tooleval, train
+from stages.blocks import config, lmhead, tables, tooluse
+from stages.blocks.errors import UserError
 from stages.envs import protocol
-from stages.errors import UserError
 
 ENV = ["env.num_train=6", "env.num_test=2", "env.max_turns=3", "env.max_tokens_per_turn=8", "train.updates=1"]
 

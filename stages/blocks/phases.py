@@ -1,5 +1,5 @@
 """The memory model of a training step: what each phase (rollout, score, update) holds under a
-placement, in bytes, from the models' shapes and our config (weight-free; stages/plan.py chooses).
+placement, in bytes, from the models' shapes and our config (weight-free; stages/blocks/plan.py chooses).
 
 What each phase holds (steady state, step >= 2; bytes; s = bytes of the compute dtype):
   rollout  student weights + LoRA (fp32) + the engine's weights (s) + static KV cache
@@ -24,12 +24,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from . import objectives
+from .. import objectives
 from .shapes import (Shape, dequant_bytes, engine_copy_bytes, forward_bytes, lora_params, saved_per_token_layer,
                      weight_bytes)
 
 PHASES = ("rollout", "score", "update")
-ENGINE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}  # stages/sampler.py SUPPORTED (no torch import here)
+ENGINE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}  # stages/blocks/sampler.py SUPPORTED (no torch import here)
 ENV_TOOL_TOKENS = 32  # assumed tokens of one tool message per turn (env rollouts): the env decides
 
 

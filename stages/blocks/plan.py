@@ -2,7 +2,7 @@
 embedded GGUF's header, conf/arch/*.json) and our config, estimates the peak memory of every phase
 under every placement, picks one (memory.placement=auto) and refuses an infeasible plan naming
 the settings that would make it fit. `--probe` (CUDA) puts measured peaks beside the estimates.
-The per-phase memory model is stages/phases.py.
+The per-phase memory model is stages/blocks/phases.py.
 """
 from __future__ import annotations
 

@@ -25,7 +25,6 @@ import datetime as dt
 import itertools
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -141,10 +140,11 @@ def main() -> None:
 
 
 def _cpu() -> str:
-    try:
-        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
+    """The CPU as every stage's stack record names it (model and ISA)."""
+    sys.path.insert(0, str(ROOT))
+    from stages import reproducible
+
+    return reproducible.stack()["cpu"]
 
 
 def _torch() -> str:

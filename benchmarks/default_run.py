@@ -52,8 +52,11 @@ def measure(out: Path) -> dict:
                "answers": json.loads((run / "answers.json").read_text())}
     out.mkdir(parents=True, exist_ok=True)
     (out / "default-run.json").write_text(json.dumps(rec, indent=1) + "\n")
-    (out / "default-run.md").write_text(f"# Default run ({rec['date']}, commit {head[:10]})\n\n{block(rec)}\n")
     return rec
+
+
+def write_md(rec: dict, out: Path) -> None:
+    (out / "default-run.md").write_text(f"# Default run ({rec['date']}, commit {rec['commit'][:10]})\n\n{block(rec)}\n")
 
 
 def block(rec: dict) -> str:
@@ -73,7 +76,7 @@ def block(rec: dict) -> str:
         f"distinct bigrams {a['initial']['distinct_bigrams']:.2f} -> {a['final']['distinct_bigrams']:.2f} "
         f"(teacher {a['teacher']['distinct_bigrams']:.2f}).", "",
         "| held-out prompt | teacher | student before | student after |", "|---|---|---|---|"]
-    cell = lambda s: s.strip().replace("|", "\\|").replace("\n", " ⏎ ")  # noqa: E731  one table row per answer
+    cell = lambda s: s.strip().replace("|", "\\|").replace("\n", " ⏎ ") or "*(blank)*"  # noqa: E731  one row per prompt
     for s in rec["answers"]["side_by_side"]:
         lines.append(f"| {cell(s['prompt'])} | {cell(s['teacher'])} | {cell(s['initial'])} | {cell(s['final'])} |")
     return "\n".join(lines)
@@ -126,6 +129,7 @@ def main() -> None:
     if a.check:
         sys.exit(check())
     rec = json.loads(RECORD.read_text()) if a.no_run else measure(Path(a.out))
+    write_md(rec, RECORD.parent if a.no_run else Path(a.out))
     if a.readme:
         (ROOT / "README.md").write_text(readme_text(rec))
     print(block(rec))

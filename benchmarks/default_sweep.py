@@ -25,7 +25,6 @@ import datetime as dt
 import itertools
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -76,7 +75,8 @@ def meets(p: dict) -> bool:
 def markdown(res: dict) -> str:
     m = res["machine"]
     out = [f"# Default-run sweep ({res['date']})", "",
-           f"Machine: {m['cpu']}, {m['cpus']} CPUs; torch {m['torch']}. Command: `{res['command']}`.", "",
+           f"Machine: {m['cpu']}, {m['cpus']} CPUs; torch {m['torch']}. Commands: "
+           + "; ".join(f"`{c}`" for c in res["commands"]) + ".", "",
            "Student = the embedded SmolLM2-135M-Instruct keeping K of its 30 decoder layers (evenly spaced), "
            "teacher = the full model; everything else is the default config. Agreement and KL are measured on "
            "the teacher's greedy answers to the 16 held-out prompts (initial -> final); non-blank = share of "
@@ -122,8 +122,10 @@ def main() -> None:
     out = Path(a.out)
     date = os.environ.get("OPD_BENCH_DATE", dt.date.today().isoformat())
     stem = out / f"{date}-default-sweep"
-    done = {p["name"]: p for p in json.loads(stem.with_suffix(".json").read_text())["points"]} \
-        if stem.with_suffix(".json").is_file() else {}
+    before = json.loads(stem.with_suffix(".json").read_text()) if stem.with_suffix(".json").is_file() else {}
+    done = {p["name"]: p for p in before.get("points", [])}  # a rerun adds to an earlier sweep of the same date
+    command = "python benchmarks/default_sweep.py " + " ".join(sys.argv[1:])
+    commands = [c for c in before.get("commands", []) if c != command] + [command]
     points = []
     for keep, lr, updates in itertools.product(a.keep, a.lr, sorted(a.updates)):
         name = f"k{keep}-u{updates}-lr{lr:g}"
@@ -131,7 +133,7 @@ def main() -> None:
         p["minutes_est"] = estimate_minutes(p, a.fixed_s) if "error" not in p else None
         points.append(p)
         print(json.dumps({k: p.get(k) for k in ("name", "agreement", "answers", "minutes_est", "error")}), flush=True)
-        res = {"date": date, "command": "python benchmarks/default_sweep.py " + " ".join(sys.argv[1:]),
+        res = {"date": date, "commands": commands,
                "machine": {"cpu": _cpu(), "cpus": os.cpu_count(), "torch": _torch()}, "fixed_s": a.fixed_s,
                "bar": BAR, "points": points + [q for n, q in done.items() if n not in {x["name"] for x in points}]}
         ok = [q for q in res["points"] if meets(q)]
@@ -141,10 +143,11 @@ def main() -> None:
 
 
 def _cpu() -> str:
-    try:
-        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
+    """The CPU as every stage's stack record names it (model and ISA)."""
+    sys.path.insert(0, str(ROOT))
+    from stages import reproducible
+
+    return reproducible.stack()["cpu"]
 
 
 def _torch() -> str:

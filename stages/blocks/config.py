@@ -182,7 +182,7 @@ class SftCfg:
 class Config:
     run: str = "default"
     artifacts: str = "artifacts"
-    student: ModelCfg = field(default_factory=lambda: ModelCfg(keep_layers=15))
+    student: ModelCfg = field(default_factory=lambda: ModelCfg(keep_layers=24))
     teacher: ModelCfg = field(default_factory=ModelCfg)
     data: DataCfg = field(default_factory=DataCfg)
     rollout: RolloutCfg = field(default_factory=RolloutCfg)

@@ -11,7 +11,7 @@ from stages.blocks.errors import UserError
 
 def test_defaults_compose_and_validate():
     cfg = config.compose([])
-    assert cfg.student.keep_layers == 15 and cfg.teacher.name == "embedded"
+    assert cfg.student.keep_layers == 24 and cfg.train.updates == 48 and cfg.teacher.name == "embedded"
     assert cfg.objective.name == "forward_kl_topk" and cfg.objective.topk == 32
 
 

@@ -92,7 +92,7 @@ def readme_text(rec: dict) -> str:
 
 def default_config_digest() -> str:
     sys.path.insert(0, str(ROOT))
-    from stages import config, runview
+    from stages.blocks import config, runview
 
     return runview.config_digest(config.compose([], config.conf_dir()))
 
@@ -114,7 +114,7 @@ def check() -> int:
 def _cpu() -> str:
     """The CPU as every stage's stack record names it (model and ISA)."""
     sys.path.insert(0, str(ROOT))
-    from stages import reproducible
+    from stages.blocks import reproducible
 
     return reproducible.stack()["cpu"]
 

@@ -145,7 +145,7 @@ def main() -> None:
 def _cpu() -> str:
     """The CPU as every stage's stack record names it (model and ISA)."""
     sys.path.insert(0, str(ROOT))
-    from stages import reproducible
+    from stages.blocks import reproducible
 
     return reproducible.stack()["cpu"]
 

@@ -94,6 +94,15 @@ def markdown(res: dict) -> str:
         out.append(f"| {p['name']} | {p['keep']} | {p['updates']} | {p['lr']:g} | {a[0]:.3f} -> {a[1]:.3f} | "
                    f"{kt[0]:.3f} -> {kt[1]:.3f} | {ko[0]:.3f} -> {ko[1]:.3f} | {f['nonblank']:.0%} | "
                    f"{f['distinct_bigrams']:.2f} | {p['step_s_median']} | {p['minutes_est']} | {mark} |")
+    out += ["", "s/update is the median of each point's own steps as recorded when they were computed (points "
+            "share steps); the sweep ran beside other jobs on the shared 2-core machine, so these times vary by "
+            "up to 5x between points and are not the pipeline's speed, and neither is the estimate built on them."]
+    fresh = ROOT / "benchmarks" / "results" / "default-run.json"
+    if fresh.is_file():
+        r = json.loads(fresh.read_text())
+        out.append(f"The default config, run alone from an empty store by `benchmarks/default_run.py` "
+                   f"({r['date']}), took {r['wall_s'] / 60:.1f} min for `dvc repro` with "
+                   f"{r['metrics']['updates']} updates (benchmarks/results/default-run.md).")
     chosen = next((p for p in res["points"] if p["name"] == res["chosen"]), None)
     if chosen:
         out += ["", f"## Answers of the chosen point ({chosen['name']}), first held-out prompts", ""]

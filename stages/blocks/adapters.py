@@ -1,15 +1,20 @@
 """LoRA adapters and their optimizer state as files: the PEFT adapter dir and optimizer.safetensors
-that init, sft and update publish, and the teacher with an SFT adapter merged in."""
+that init, sft and update publish, and the teacher with an SFT adapter merged in.
+
+The safetensors files are serialised in memory and written with `store.write_bytes`, which hashes
+the bytes as it writes them: sealing the stage then does not read back and re-hash what was just
+written (the same bytes as safetensors' save_file)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from . import models
 from .config import LoraCfg, OptimCfg
+from .store import write_bytes
 
 
 def to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -70,7 +75,7 @@ def save_optimizer(opt, named, path: Path) -> None:
     out = to_cpu(out) if out else out
     if step is not None:
         out["__step__"] = torch.as_tensor(step, dtype=torch.float32).reshape(()).cpu()
-    save_file(out, path)
+    write_bytes(path, save(out))
 
 
 def save_adapter(student, out: Path, base_name: str) -> None:
@@ -87,7 +92,7 @@ def save_adapter(student, out: Path, base_name: str) -> None:
     tm = pc.target_modules
     embeddings = isinstance(tm, str) or any(m in ("embed_tokens", "lm_head") for m in tm)  # (a regex: let PEFT decide)
     state = get_peft_model_state_dict(student, save_embedding_layers="auto" if embeddings else False)
-    save_file(to_cpu(state), out / "adapter_model.safetensors", metadata={"format": "pt"})
+    write_bytes(out / "adapter_model.safetensors", save(to_cpu(state), metadata={"format": "pt"}))
     pc.save_pretrained(out)
     # PEFT keeps target_modules as a set: its JSON order follows string hashing, which changes per
     # process. Sorted, the file is byte-reproducible.

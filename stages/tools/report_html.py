@@ -169,7 +169,8 @@ def eval_section(metrics: dict | None, answers: dict | None = None) -> str:
     if side:
         parts.append("<h3>Held-out prompts, answers side by side (greedy)</h3>")
         parts.append(_table(["prompt", "teacher", "student before", "student after"],
-                            [[_esc(r["prompt"])] + [f'<span class="resp">{_esc(r[k])}</span>'
+                            [[_esc(r["prompt"])] + [f'<span class="resp">{_esc(r[k])}</span>' if r[k].strip()
+                                                    else '<span class="muted">(blank)</span>'
                                                     for k in ("teacher", "initial", "final")] for r in side]))
     shown = ({f"{p}.{v}" for p in ("initial", "final") for v in views} | {f"kl_reduction_{v}" for v in views}
              | {f"{w}.answers" for w in who})

@@ -230,3 +230,20 @@ def test_browser_check_catches_a_console_error_and_a_blocked_fetch(tmp_path):
     text = "\n".join(res["problems"])
     assert "boom" in text and "127.0.0.1:9" in text
     assert res["dom"]["broken"] == ["remote"]
+
+
+def test_eval_section_shows_answers_side_by_side_and_marks_blank_ones():
+    from stages.report_html import eval_section
+
+    metrics = {"eval": {"initial": {"on_teacher_text": {"kl": 3.1, "top1_agreement": 0.28, "tokens": 9},
+                                    "answers": {"nonblank": 0.5, "distinct_bigrams": 0.4, "mean_tokens": 3.0}},
+                        "final": {"on_teacher_text": {"kl": 0.8, "top1_agreement": 0.62, "tokens": 9},
+                                  "answers": {"nonblank": 1.0, "distinct_bigrams": 0.5, "mean_tokens": 4.0}},
+                        "teacher": {"answers": {"nonblank": 1.0, "distinct_bigrams": 0.6, "mean_tokens": 5.0}}},
+               "updates": 2}
+    answers = {"side_by_side": [{"prompt": "What is 2 plus 2?", "teacher": "2 + 2 = 4", "initial": "\n\n",
+                                 "final": "<b>4</b>"}]}
+    page = eval_section(metrics, answers)
+    assert "(blank)" in page and "2 + 2 = 4" in page and "&lt;b&gt;4&lt;/b&gt;" in page  # escaped, not markup
+    assert "50.0%" in page and "100.0%" in page  # non-blank shares of the initial and final answers
+    assert "initial.answers" not in page and "eval.updates" not in page and "updates" in page  # shown once

@@ -1,4 +1,4 @@
-"""Adapter and optimizer files (stages/adapters.py): safetensors bytes written through the store's
+"""Adapter and optimizer files (stages/blocks/adapters.py): safetensors bytes written through the store's
 hashing writer, so sealing takes their hash from memory; the bytes are safetensors' own."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 import xxhash
 from safetensors.torch import save_file
 
-from stages import adapters, store
+from stages.blocks import adapters, store
 
 
 def test_optimizer_file_is_hashed_as_written_and_equals_save_file(tmp_path, monkeypatch):

@@ -135,7 +135,7 @@ def blankness(png: bytes) -> dict:
 
     img = Image.open(io.BytesIO(png)).convert("RGB")
     small = img.resize((img.width // 4, img.height // 4))
-    px = list(small.getdata())
+    px = list(small.get_flattened_data())  # (getdata: deprecated in the locked Pillow 13)
     non_white = sum(1 for r, g, b in px if min(r, g, b) < 235)
     return {"size": img.size, "colors": len(set(px)), "non_white": non_white / len(px)}
 

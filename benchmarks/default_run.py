@@ -47,7 +47,7 @@ def measure(out: Path) -> dict:
                "machine": {"cpu": _cpu(), "cpus": os.cpu_count(), "python": platform.python_version(),
                            "load_before": os.getloadavg()[0]},
                "wall_s": round(wall, 1), "config": json.loads((run / "view.json").read_text())["config"],
-               "train": {k: v for k, v in json.loads((run / "train.json").read_text()).items() if k in ("timings",)},
+               "timings": json.loads((run / "train.json").read_text()).get("timings"),
                "metrics": json.loads((run / "metrics.json").read_text()),
                "answers": json.loads((run / "answers.json").read_text())}
     out.mkdir(parents=True, exist_ok=True)

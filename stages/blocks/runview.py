@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
-import json
 import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import UserError
-from .store import canonical, write_json
+from .store import canonical, read_json, write_json
 
 VIEW = "view.json"
 # files in the view that describe one run as a whole: removed when another run takes the view over
@@ -42,13 +41,7 @@ def config_digest(cfg) -> str:
 
 
 def read(run_dir: Path) -> dict | None:
-    p = Path(run_dir) / VIEW
-    if not p.is_file():
-        return None
-    try:
-        return json.loads(p.read_text())
-    except ValueError:
-        raise UserError(f"{p}: not valid JSON (remove the run view and run again)") from None
+    return read_json(Path(run_dir) / VIEW, " (remove the run view and run again)")
 
 
 @contextmanager

@@ -348,6 +348,16 @@ def read_state(d: Path) -> dict:
     return json.loads((d / "state.json").read_text())
 
 
+def read_json(path: Path, remedy: str = "") -> Any:
+    """A JSON file that may not exist yet (None); one that does not parse is a one-line error."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        raise UserError(f"{path}: not valid JSON{remedy}") from None
+
+
 def write_json(path: Path, obj: Any) -> None:
     """Deterministic JSON (sorted keys), written atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,12 +15,11 @@ from __future__ import annotations
 import base64
 import csv
 import io
-import json
 import math
 from pathlib import Path
 
 from ..blocks import runview, tables
-from ..blocks.errors import UserError
+from ..blocks.store import read_json
 from . import inspection
 from .report_html import (CSP, STYLE, _esc, _num, _pct, config_section, eval_section, phase_section,
                           trajectory_section)
@@ -42,15 +41,6 @@ CURVES = [
 def locate(run: str | None, artifacts: str | None = None) -> Path:
     """NAME, run=NAME or a run directory -> the run directory (stages/blocks/runview.py; UserError if none)."""
     return runview.locate(run, artifacts)
-
-
-def _json(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except ValueError:
-        raise UserError(f"{path}: not valid JSON") from None
 
 
 def read_history(run_dir: Path) -> list[dict]:
@@ -76,7 +66,7 @@ def read_history(run_dir: Path) -> list[dict]:
 
 def read_config(run_dir: Path) -> dict | None:
     """The run's resolved config: config.json in the run view (never a params file of another run)."""
-    return _json(run_dir / "config.json")
+    return read_json(run_dir / "config.json")
 
 
 def step_dirs(run_dir: Path) -> list[Path]:
@@ -91,7 +81,7 @@ def phase_stats(run_dir: Path, skip: set[int] = frozenset()) -> list[dict]:
     for d in step_dirs(run_dir):
         if int(d.name.split("-")[1]) in skip:
             continue
-        st = _json(d / "state.json") or {}
+        st = read_json(d / "state.json") or {}
         for name, rec in st.items():
             if isinstance(rec, dict) and "wall_s" in rec:
                 phases.setdefault("update" if name == "policy" else name, []).append(rec)
@@ -194,10 +184,10 @@ def status_note(run_dir: Path, reused: list[int]) -> str:
 def render(run_dir: Path, samples_per_step: int = 3) -> str:
     history = read_history(run_dir)
     cfg = read_config(run_dir)
-    metrics = _json(run_dir / "metrics.json")
-    answers = _json(run_dir / "answers.json")
-    train = _json(run_dir / "train.json")
-    prepared = _json(run_dir / "prepare.json")
+    metrics = read_json(run_dir / "metrics.json")
+    answers = read_json(run_dir / "answers.json")
+    train = read_json(run_dir / "train.json")
+    prepared = read_json(run_dir / "prepare.json")
     reused = [r["step"] for r in history if r.get("reused")]
     stats = phase_stats(run_dir, set(reused))
     samples = sample_trajectories(run_dir, samples_per_step)

@@ -262,12 +262,6 @@ def add_lora(model, lcfg: LoraCfg, seed: int):
         raise UserError(f"key 'lora.target_modules': {str(e).splitlines()[0]}") from None
 
 
-def lora_state(peft_model) -> dict[str, torch.Tensor]:
-    from peft import get_peft_model_state_dict
-
-    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
-
-
 def load_lora(peft_model, adapter_dir: Path) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
@@ -281,14 +275,6 @@ def load_lora(peft_model, adapter_dir: Path) -> None:
 
 def trainable(peft_model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
-
-
-def model_dir_bytes(d: Path) -> int:
-    return sum(f.stat().st_size for f in d.glob("*.safetensors"))
-
-
-def parameter_count(model) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def env_versions() -> dict:

@@ -42,7 +42,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   left=$(( ${OPD_DEADLINE_S:-520} - SECONDS ))
   work=$(mktemp -d /tmp/opd-bench-XXXXXX)  # a fresh work dir: nothing of an earlier run is reused
   python3 benchmarks/systems.py --workload all --peers trl,miniverl --tokenizer .bench/smollm2-tokenizer \
-    --out "$out/systems" --work "$work" --profile "$out/profile.txt" --deadline-s "$left" \
+    --out "$out/systems" --work "$work" --profile "$out/profile.txt" --deadline-s "$left" --peer-updates 3 \
     ${OPD_BENCH_DATE:+--date "$OPD_BENCH_DATE"} ${OPD_BENCH_EXTRA:-} 2>&1 | tee "$out/systems.log" | tail -40
   rc=$(( rc || PIPESTATUS[0] ))
 fi

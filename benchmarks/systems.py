@@ -9,8 +9,8 @@ update, LoRA r16 on 7 projections, forward_kl_topk k=32, 8 updates. Ours runs th
 (`opd stage train` in a fresh process: store, Parquet, adapters, everything). TRL 1.16
 `DistillationTrainer` runs the same models, prompts and lengths (beta=0 forward KL) in a fresh
 process. Workload (b), throughput: Qwen3-0.6B / Qwen3-1.7B shapes (vocab 151,936), 64 prompts x
-512 response tokens, 4 updates, driven through the same engine / head / loss functions on
-synthetic token ids (no tokenizer exists for these random models).
+(128 + 512) tokens, 4 updates, through the same real pipeline (prompts tokenized by the SmolLM2
+tokenizer, a subset of the Qwen3 vocabulary: no tokenizer ships for these random models).
 
 Writes <out>/<date>-<gpu>-systems.json and .md. Random weights emit EOS at random, so every side
 forces the response length (min_new_tokens).
@@ -217,77 +217,6 @@ def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
     return walls
 
 
-# ---------------------------------------------------------------- ours, workload (b): the engine
-def ours_blocks(w: dict) -> dict:
-    import torch
-    from types import SimpleNamespace
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from stages import update
-    from stages.blocks import adapters, config, lmhead, models, sampler
-    from stages.blocks.config import LoraCfg
-
-    def build(name, seed):
-        spec = {k: v for k, v in models.arch_config(name).items() if k != "_comment"}
-        torch.manual_seed(seed)
-        with torch.device("cuda"):
-            m = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec), dtype=torch.bfloat16)
-        return m.eval().requires_grad_(False)
-
-    t0 = time.perf_counter()
-    student = models.add_lora(build(w["student"], 0), LoraCfg(r=16, alpha=32), seed=1)
-    teacher = build(w["teacher"], 2)
-    eng = sampler.Engine(student, use_graphs=True)
-    construct = time.perf_counter() - t0
-    cfg = config.compose([f"objective.topk={w['topk']}", "train.chunk=1024"])
-    sess = SimpleNamespace(cfg=cfg, device=torch.device("cuda"))
-    opt, named = adapters.make_optimizer(cfg.optim, student, None)
-    V = student.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for k in range(w["updates"]):
-        prompts = torch.randint(100, V - 100, (w["prompts"], w["prompt_tokens"]), generator=g).tolist()
-        rec = {}
-        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); t = time.perf_counter()
-        out = eng.generate(prompts, w["response"], eos=-1, pad=0, seed=k, min_new=w["response"])
-        torch.cuda.synchronize(); rec["rollout_s"] = time.perf_counter() - t
-        rec["rollout_peak"] = torch.cuda.max_memory_allocated() / 2**30
-        resp = out.tokens.tolist()
-        p = lmhead.pack(prompts, resp, [[1] * len(r) for r in resp], 0, "cuda")
-        torch.cuda.reset_peak_memory_stats(); t = time.perf_counter()
-        with torch.no_grad():
-            h = lmhead.hidden(teacher, p)
-            lp, ids, tlp, _ = lmhead.score_positions(h, lmhead.head_weight(teacher), p.targets, 1024, w["topk"])
-        torch.cuda.synchronize(); rec["score_s"] = time.perf_counter() - t
-        rec["score_peak"] = torch.cuda.max_memory_allocated() / 2**30
-        sc = {"teacher_logprobs": lp, "topk_ids": ids, "topk_logprobs": tlp}
-        torch.cuda.reset_peak_memory_stats(); t = time.perf_counter()
-        student.train()
-        opt.zero_grad(set_to_none=True)
-        stats = update.loss_and_backward(sess, student, p, out.logprobs.reshape(-1).cuda(), sc)
-        torch.nn.utils.clip_grad_norm_([q for _, q in named], 1.0)
-        opt.step()
-        student.eval()
-        eng.refresh()
-        torch.cuda.synchronize(); rec["update_s"] = time.perf_counter() - t
-        rec["update_peak"] = torch.cuda.max_memory_allocated() / 2**30
-        rec["loss"] = stats["loss"]
-        rows.append(rec)
-    tail = rows[1:] if len(rows) > 1 else rows
-    n = w["prompts"] * w["response"]
-    return {"name": "opd-stages (engine/head/loss functions, synthetic ids)", "construction_s": round(construct, 2),
-            "median_rollout_s": median([r["rollout_s"] for r in tail]), "median_score_s": median([r["score_s"] for r in tail]),
-            "median_update_phase_s": median([r["update_s"] for r in tail]),
-            "median_update_s": median([r["rollout_s"] + r["score_s"] + r["update_s"] for r in tail]),
-            "rollout_tok_per_s": round(n / median([r["rollout_s"] for r in tail]), 1),
-            "scored_positions_per_s": round(n / median([r["score_s"] for r in tail]), 1),
-            "update_positions_per_s": round(n / median([r["update_s"] for r in tail]), 1),
-            "peak_allocated_gib": {"rollout": round(max(r["rollout_peak"] for r in rows), 3),
-                                   "score": round(max(r["score_peak"] for r in rows), 3),
-                                   "policy": round(max(r["update_peak"] for r in rows), 3)},
-            "losses": [round(r["loss"], 5) for r in rows]}
-
-
 # ---------------------------------------------------------------- peers
 def trl_peer(w: dict, work: Path, python: str, seed: dict) -> dict:
     """TRL 1.16 DistillationTrainer on the same model dirs and prompts, in a fresh process."""
@@ -309,7 +238,8 @@ MINIVERL_ARMS = (("hf_reference", "hf_reference", False), ("hf_cached", "hf_cach
                  ("hf_cached+compile", "hf_cached", True))
 
 
-def miniverl_peer(w: dict, work: Path, python: str, seed: dict, arms: list[str], deadline: float) -> list[dict]:
+def miniverl_peer(w: dict, work: Path, python: str, seed: dict, arms: list[str], deadline: float,
+                  peer_updates: int = 0) -> list[dict]:
     """`miniverl train` with its native recipe (benchmarks/cpu_peer.py's, here device cuda and bf16)
     on the same model dirs and train prompts, one fresh process per rollout backend."""
     import cpu_peer
@@ -339,7 +269,8 @@ def miniverl_peer(w: dict, work: Path, python: str, seed: dict, arms: list[str],
                 rec["models"][role]["dtype"] = "bfloat16" if DEVICE == "cuda" else "float32"
             rec["rollout"]["compile_backend"] = compiled
 
-        mw = {**w, "threads": os.cpu_count() or 1}
+        # fewer updates than ours when asked (--peer-updates): its rollouts take seconds each here
+        mw = {**w, "threads": os.cpu_count() or 1, "updates": peer_updates or w["updates"]}
         try:
             s = cpu_peer.miniverl(mw, work, python, Path(seed["student_dir"]), Path(seed["teacher_dir"]),
                                   work / "prompts-train.parquet", env, backend, adjust, arm, timeout)
@@ -350,6 +281,7 @@ def miniverl_peer(w: dict, work: Path, python: str, seed: dict, arms: list[str],
             cpu_peer.summarize(s)
             ph = s["median_phase_s"]
             n = w["prompts"] * w["response"]
+            s["updates_run"] = mw["updates"]
             s.update(median_rollout_s=ph["rollout"], median_score_s=ph["score"], median_update_phase_s=ph["update"],
                      rollout_tok_per_s=round(n / ph["rollout"], 1) if ph["rollout"] else None,
                      scored_positions_per_s=round(n / ph["score"], 1) if ph["score"] else None,
@@ -405,8 +337,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=("a", "b", "all"), default="all")
     ap.add_argument("--peers", default="trl,miniverl")
-    ap.add_argument("--ours", default="default,ckpt",
-                    help="our arms: default (the configuration as shipped), ckpt (activation checkpointing)")
+    ap.add_argument("--ours", default="default,eager,ckpt",
+                    help="our arms: default (the configuration as shipped: compiled decode step on CUDA), "
+                         "eager (runtime.compile=false), ckpt (activation checkpointing)")
+    ap.add_argument("--peer-updates", type=int, default=0,
+                    help="updates for miniVERL's arms (0: the workload's); medians skip the first either way")
     ap.add_argument("--miniverl-arms", default=",".join(a for a, _, _ in MINIVERL_ARMS))
     ap.add_argument("--tokenizer", required=True, help="a SmolLM2 tokenizer dir (workload a)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -461,6 +396,9 @@ def main(argv=None) -> int:
         ours_arms = args.ours.split(",")
         if "default" in ours_arms:  # first: the ratios are against it
             add(run_system(ours_pipeline, "opd-stages", deadline, 60, w, work, tok, py, args.profile))
+        if "eager" in ours_arms:  # the decode step without torch.compile (the fallback path)
+            add(run_system(ours_pipeline, "opd-stages-eager", deadline, 45, w, work, tok, py, None,
+                           ("runtime.compile=false",), "opd-stages-eager"))
         if "ckpt" in ours_arms:  # the same pipeline trading one extra forward for update-phase memory
             add(run_system(ours_pipeline, "opd-stages-ckpt", deadline, 45, w, work, tok, py, None,
                            ("train.activation_checkpointing=true",), "opd-stages-ckpt"))
@@ -468,11 +406,25 @@ def main(argv=None) -> int:
             add(run_system(trl_peer, "TRL 1.16 DistillationTrainer", deadline, 60, w, work, py, seed))
         if "miniverl" in peers:
             arms = [a for a in args.miniverl_arms.split(",") if a]
-            add(run_system(miniverl_peer, "miniVERL 0.16", deadline, 45, w, work, py, seed, arms, deadline))
+            add(run_system(miniverl_peer, "miniVERL 0.16", deadline, 45, w, work, py, seed, arms, deadline,
+                           args.peer_updates))
         print(json.dumps(wa, indent=1), flush=True)
     if args.workload in ("b", "all") and not args.smoke:
-        result["workloads"]["b"] = {"shape": WORKLOAD_B,
-                                    "systems": [run_system(ours_blocks, "opd-stages (engine blocks)", deadline, 40, WORKLOAD_B)]}
+        # the real pipeline (`opd stage train`) on the Qwen3 shapes, prompts tokenized by the SmolLM2
+        # tokenizer (its ids are a subset of the 151,936-token vocabulary); activation checkpointing on:
+        # 64 x 640 positions of activations would otherwise hold ~100 GiB through the backward
+        wb = work / "b"
+        wb.mkdir()
+        tok = str(Path(args.tokenizer).resolve())
+        systems_b: list[dict] = []
+        result["workloads"]["b"] = {"shape": WORKLOAD_B, "systems": systems_b}
+        try:
+            seed_b = seed_store(WORKLOAD_B, wb, tok)
+            result["workloads"]["b"]["materialize_random_weights_s"] = seed_b["materialize_random_weights_s"]
+            systems_b.append(run_system(ours_pipeline, "opd-stages", deadline, 90, WORKLOAD_B, wb, tok, py, None,
+                                        ("train.activation_checkpointing=true", "train.chunk=1024")))
+        except Exception as e:  # noqa: BLE001  recorded, like any system's failure
+            systems_b.append({"name": "opd-stages", "error": f"seed store: {type(e).__name__}: {e}"[-3000:]})
         save()
         print(json.dumps(result["workloads"]["b"], indent=1), flush=True)
     save()

@@ -157,7 +157,7 @@ class Session:
     def engine(self):
         """The rollout engine for the student's current policy (None: transformers fallback)."""
         if self._engine is None:
-            self._engine = sampler.make(self.student(), self.cfg.rollout.cuda_graphs) or False
+            self._engine = sampler.make(self.student(), self.cfg.rollout.cuda_graphs, self.compiled_decode) or False
         return self._engine or None
 
     def generate(self, prompt_ids: list[list[int]], max_new: int, seed: int, greedy: bool = False,
@@ -190,8 +190,15 @@ class Session:
         """Publish update outputs on a worker thread (CUDA: the host is free while the GPU samples)."""
         return self.device.type == "cuda"
 
+    @property
+    def compiled_decode(self) -> bool:
+        """The rollout engine's decode step is compiled: CUDA with graphs and runtime.compile."""
+        return self.device.type == "cuda" and self.cfg.rollout.cuda_graphs and self.cfg.runtime.compile
+
     def runtime_slice(self) -> dict:
         s = {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch.")}
+        if self.compiled_decode:  # (no key when eager: those digests are what they were)
+            s["decode"] = "compiled"
         if self.device.type == "cpu":
             # MKL's reproducibility mode decides the CPU bytes; under its strict mode the thread
             # count does not (1 and 2 threads give identical runs), under any other mode it may

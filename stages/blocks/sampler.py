@@ -120,14 +120,54 @@ def _rope(x, cos, sin):
     return x * cos + rot * sin
 
 
-def _forward(W, ids, pos, cache_k, cache_v, slots, key_valid):
+def _layer(x, w, ck, cv, cos, sin, mask, slots, H, KV, D, eps, act):
+    """One decoder layer over x [B, T, hidden]; writes its new K/V into ck/cv [B, n_kv, L, D] at
+    `slots`. A plain function of tensors and constants, so torch.compile can fuse it (`_compiled`)."""
+    B, T = x.shape[:2]
+    h = _rms(x, w["ln1"], eps)
+    qkv = F.linear(h, w["qkv"], w["qkv_bias"]).view(B, T, H + 2 * KV, D)
+    if w["q_norm"] is not None:  # Qwen3 normalises each head before rotary
+        q, k, v = qkv.split((H, KV, KV), dim=2)
+        qk = torch.cat((_rms(q, w["q_norm"], eps), _rms(k, w["k_norm"], eps)), dim=2)
+    else:
+        qk, v = qkv[:, :, :H + KV], qkv[:, :, H + KV:]
+    qk = _rope(qk.transpose(1, 2), cos, sin)  # q and k rotated together: [B, H+KV, T, D]
+    q, k = qk[:, :H], qk[:, H:]
+    ck.index_copy_(2, slots, k)
+    cv.index_copy_(2, slots, v.transpose(1, 2))
+    o = F.scaled_dot_product_attention(q, ck, cv, attn_mask=mask, enable_gqa=KV != H)
+    x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * D), w["o_proj"])
+    h = _rms(x, w["ln2"], eps)
+    gate, up = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
+    return x + F.linear(act(gate) * up, w["down_proj"])
+
+
+_COMPILED = None
+
+
+def _compiled():
+    """`_layer` through torch.compile (Inductor): RMSNorm, rotary, the cache writes and the
+    residual adds fuse into a few Triton kernels, where eager launches ~20 small ones per layer.
+    One compilation serves every layer (same shapes); the decode step calls it inside the
+    captured CUDA graph. Compiled once per process and shape (docs/architecture.md, rollout engine)."""
+    global _COMPILED
+    if _COMPILED is None:
+        import torch._dynamo
+
+        # shapes are static (one compilation per batch size and cache length, like the graphs): a run
+        # with several prompt buckets plus evaluation's models outgrows dynamo's default of 8
+        torch._dynamo.config.recompile_limit = 64
+        _COMPILED = torch.compile(_layer, fullgraph=True, dynamic=False)
+    return _COMPILED
+
+
+def _forward(W, ids, pos, cache_k, cache_v, slots, key_valid, layer=_layer):
     """One forward over T new tokens per sequence, writing their K/V into the static cache.
 
     ids [B, T]; pos [B, T] rotary positions; cache_k/v [n_layers, B, n_kv, L, D];
     slots [T] cache slots for the new tokens; key_valid [B, T, L] bool. Returns hidden [B, T, H].
     """
-    B, T = ids.shape
-    H, KV, D, dt = W["n_heads"], W["n_kv"], W["head_dim"], W["dtype"]
+    dt = W["dtype"]
     x = F.embedding(ids, W["embed"])
     freqs = pos.float()[..., None] * W["inv_freq"]  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -136,22 +176,8 @@ def _forward(W, ids, pos, cache_k, cache_v, slots, key_valid):
     mask = key_valid[:, None]  # [B, 1, T, L]
     act = getattr(F, W["act"]) if W["act"] != "swish" else F.silu
     for i, w in enumerate(W["layers"]):
-        h = _rms(x, w["ln1"], W["eps"])
-        qkv = F.linear(h, w["qkv"], w["qkv_bias"]).view(B, T, H + 2 * KV, D)
-        if w["q_norm"] is not None:  # Qwen3 normalises each head before rotary
-            q, k, v = qkv.split((H, KV, KV), dim=2)
-            qk = torch.cat((_rms(q, w["q_norm"], W["eps"]), _rms(k, w["k_norm"], W["eps"])), dim=2)
-        else:
-            qk, v = qkv[:, :, :H + KV], qkv[:, :, H + KV:]
-        qk = _rope(qk.transpose(1, 2), cos, sin)  # q and k rotated together: [B, H+KV, T, D]
-        q, k = qk[:, :H], qk[:, H:]
-        cache_k[i].index_copy_(2, slots, k)
-        cache_v[i].index_copy_(2, slots, v.transpose(1, 2))
-        o = F.scaled_dot_product_attention(q, cache_k[i], cache_v[i], attn_mask=mask, enable_gqa=KV != H)
-        x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * D), w["o_proj"])
-        h = _rms(x, w["ln2"], W["eps"])
-        gate, up = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
-        x = x + F.linear(act(gate) * up, w["down_proj"])
+        x = layer(x, w, cache_k[i], cache_v[i], cos, sin, mask, slots, W["n_heads"], W["n_kv"], W["head_dim"],
+                  W["eps"], act)
     return _rms(x, W["norm"], W["eps"])
 
 
@@ -181,11 +207,13 @@ def _pick(logits, u, temperature, top_p, greedy, block_eos, eos):
 class Engine:
     """Sampling for one policy version: weights, static KV cache and captured graphs per bucket."""
 
-    def __init__(self, model, use_graphs: bool = True):
+    def __init__(self, model, use_graphs: bool = True, compile: bool = False):
         self.model = model
         self.W = sampling_weights(model)
         self.device = self.W["embed"].device
         self.use_graphs = use_graphs and self.device.type == "cuda"
+        # the compiled decode layer runs inside the captured graph only (CPU and eager CUDA: `_layer`)
+        self.compile = compile and self.use_graphs
         self.graphs: dict[tuple, dict] = {}
 
     @torch.no_grad()
@@ -252,7 +280,8 @@ class Engine:
         def step():
             slot, k = st["slot"], st["step"]
             valid = ((st["keys"][None, :] >= st["pad_len"][:, None]) & (st["keys"][None, :] <= slot))[:, None]
-            h = _forward(W, st["tok"][:, None], (slot - st["pad_len"])[:, None], st["ck"], st["cv"], slot, valid)
+            h = _forward(W, st["tok"][:, None], (slot - st["pad_len"])[:, None], st["ck"], st["cv"], slot, valid,
+                         _compiled() if self.compile else _layer)
             logits = F.linear(h[:, 0], W["head"])
             blk = (k < min_new).expand(B) if min_new > 0 else None
             t, l = _pick(logits, st["u"].index_select(0, k.clamp_max(max_new - 1))[0], temperature, top_p,
@@ -288,8 +317,19 @@ class Engine:
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
-                for _ in range(2):
-                    step()  # warm-up: kernel selection and allocator pools before capture
+                try:
+                    for _ in range(2):
+                        step()  # warm-up: compilation, kernel selection and allocator pools before capture
+                except Exception as e:  # noqa: BLE001  no working compiler (Triton) here: the eager decode step
+                    if not self.compile:
+                        raise
+                    print(f"warning: rollout.compile: the compiled decode step failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:160]}); sampling with the eager step", file=sys.stderr)
+                    self.compile = False
+                    for k, v in snap.items():
+                        st[k].copy_(v)
+                    for _ in range(2):
+                        step()
             torch.cuda.current_stream().wait_stream(s)
             for k, v in snap.items():
                 st[k].copy_(v)
@@ -359,10 +399,10 @@ def hf_generate(model, prompts, max_new, *, eos, pad, seed, temperature=1.0, top
     return Rollout(out, lps, lengths, done)
 
 
-def make(model, use_graphs: bool):
+def make(model, use_graphs: bool, compile: bool = False):
     """Engine for `model`, or None (with a one-line warning) when the fast path cannot run it."""
     why = supported(model)
     if why:
         print(f"warning: rollout uses the transformers fallback: {why}", file=sys.stderr)
         return None
-    return Engine(model, use_graphs)
+    return Engine(model, use_graphs, compile)

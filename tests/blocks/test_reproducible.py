@@ -108,3 +108,15 @@ def test_committed_lock_pins_the_stack_and_install_sh_reads_it():
 @pytest.mark.skipif(not os.environ.get("CI"), reason="only CI's venv is made by ./install.sh test from the lock")
 def test_ci_installed_exactly_the_lock():
     assert reproducible.lock_differences(ROOT / "requirements.lock") == []
+
+
+def test_compiled_decode_joins_cuda_identity_only(work, monkeypatch):
+    """runtime.compile changes CUDA bytes (fused kernels round differently), never CPU ones: on CPU
+    both settings share every digest; a CUDA session with graphs names the compiled step."""
+    on, off = session(work, "runtime.compile=true"), session(work, "runtime.compile=false")
+    assert not on.compiled_decode and on.runtime_slice() == off.runtime_slice()
+    assert on.rollout_digest(1) == off.rollout_digest(1) and on.update_digest(2) == off.update_digest(2)
+    monkeypatch.setattr(on, "device", torch.device("cuda"))
+    assert on.compiled_decode and on.runtime_slice()["decode"] == "compiled"
+    monkeypatch.setattr(on.cfg.rollout, "cuda_graphs", False)
+    assert not on.compiled_decode and "decode" not in on.runtime_slice()  # eager CUDA: no compiled step

@@ -1,5 +1,6 @@
 """CUDA-graph rollout engine on the GPU: graphs replay exactly what eager decoding computes, greedy
-decoding equals transformers `generate`, recorded log-probs match a teacher-forced recompute."""
+decoding equals transformers `generate`, recorded log-probs match a teacher-forced recompute; the
+same for the compiled decode step (runtime.compile)."""
 from __future__ import annotations
 
 import pytest
@@ -25,24 +26,28 @@ def top2_margin(model, prefix: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-def test_graph_replay_equals_eager_fp32():
+@pytest.mark.parametrize("compile", [False, True])
+def test_graph_replay_equals_eager_fp32(compile):
     torch.backends.cuda.matmul.allow_tf32 = False
     m = with_trained_lora(tiny()).to("cuda")  # peaked distributions: a sampled token is not a coin flip
-    g = sampler.Engine(m, use_graphs=True)
+    g = sampler.Engine(m, use_graphs=True, compile=compile)
     e = sampler.Engine(m, use_graphs=False)
     for seed in (0, 1):
         a = g.generate(PROMPTS, 24, eos=2, pad=2, seed=seed)
         b = e.generate(PROMPTS, 24, eos=2, pad=2, seed=seed)
-        # same kernels family; cuBLAS may pick another algorithm under capture: ~1e-4 in fp32
+        # same kernels family; cuBLAS may pick another algorithm under capture, the compiled step
+        # fuses the elementwise work (fp32 all along in fp32): ~1e-4 in fp32
         assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.logprobs, b.logprobs, atol=1e-3)
     assert len(g.graphs) == 1  # one capture per bucket, replayed for the second call
+    assert g.compile == compile  # the compiled step really ran (no silent fallback to eager)
 
 
-def test_greedy_matches_generate_fp32_and_bf16():
+@pytest.mark.parametrize("compile", [False, True])
+def test_greedy_matches_generate_fp32_and_bf16(compile):
     torch.backends.cuda.matmul.allow_tf32 = False
     for dtype in (torch.float32, torch.bfloat16):
         m = cuda_model(dtype)
-        eng = sampler.Engine(m, use_graphs=True)
+        eng = sampler.Engine(m, use_graphs=True, compile=compile)
         out = eng.generate([p for p in PROMPTS], 16, eos=-1, pad=2, seed=0, greedy=True)
         for b, p in enumerate(PROMPTS):
             ref = hf_greedy(m, p, 16) if dtype == torch.float32 else None
@@ -63,9 +68,10 @@ def test_greedy_matches_generate_fp32_and_bf16():
                     assert top2_margin(m, p + ref[:same]) < 0.05, (b, same, got, ref)
 
 
-def test_sample_logprobs_match_teacher_forced_bf16():
+@pytest.mark.parametrize("compile", [False, True])
+def test_sample_logprobs_match_teacher_forced_bf16(compile):
     m = cuda_model(torch.bfloat16)
-    eng = sampler.Engine(m, use_graphs=True)
+    eng = sampler.Engine(m, use_graphs=True, compile=compile)
     out = eng.generate(PROMPTS, 20, eos=2, pad=2, seed=5)
     resp = [out.tokens[b, :int(out.lengths[b])].tolist() for b in range(len(PROMPTS))]
     p = lmhead.pack(PROMPTS, resp, [[1] * len(r) for r in resp], 2, "cuda")
@@ -78,7 +84,7 @@ def test_sample_logprobs_match_teacher_forced_bf16():
 
 def test_sampling_reproducible_with_graphs():
     m = cuda_model(torch.bfloat16)
-    eng = sampler.Engine(m, use_graphs=True)
+    eng = sampler.Engine(m, use_graphs=True, compile=True)
     a = eng.generate(PROMPTS, 16, eos=2, pad=2, seed=11)
     b = eng.generate(PROMPTS, 16, eos=2, pad=2, seed=11)
     assert torch.equal(a.tokens, b.tokens)

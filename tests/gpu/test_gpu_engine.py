@@ -33,10 +33,14 @@ def test_graph_replay_equals_eager_fp32(compile):
     g = sampler.Engine(m, use_graphs=True, compile=compile)
     e = sampler.Engine(m, use_graphs=False)
     for seed in (0, 1):
-        a = g.generate(PROMPTS, 24, eos=2, pad=2, seed=seed)
-        b = e.generate(PROMPTS, 24, eos=2, pad=2, seed=seed)
-        # same kernels family; cuBLAS may pick another algorithm under capture, the compiled step
-        # fuses the elementwise work (fp32 all along in fp32): ~1e-4 in fp32
+        # the compiled step's logits differ from eager in the last bits (fused kernels), and an
+        # inverse-CDF draw over ~50k tokens of a flat distribution lands on the neighbouring token
+        # when a boundary moves by that much (seen on the H200: 13886 vs 13887, then diverged), so
+        # it is compared greedily: the same argmax at every step, the same log-probs to ~1e-4.
+        # Its sampling is checked against a teacher-forced recompute (test_sample_logprobs_...).
+        a = g.generate(PROMPTS, 24, eos=2, pad=2, seed=seed, greedy=compile)
+        b = e.generate(PROMPTS, 24, eos=2, pad=2, seed=seed, greedy=compile)
+        # same kernels family; cuBLAS may pick another algorithm under capture: ~1e-4 in fp32
         assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.logprobs, b.logprobs, atol=1e-3)
     assert len(g.graphs) == 1  # one capture per bucket, replayed for the second call
     assert g.compile == compile  # the compiled step really ran (no silent fallback to eager)

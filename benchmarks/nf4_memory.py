@@ -4,7 +4,11 @@ the pipeline samples a quantized base), one teacher scoring pass and one LoRA up
 of the seed shapes (4 x (128 + 64) tokens). Per step: allocated after it, its peak, and the largest
 live allocations at the peak (torch's allocator history, with the Python frame that made them).
 
-    python benchmarks/nf4_memory.py --out FILE.json
+    python benchmarks/nf4_memory.py --out FILE.json [--probe TOKENIZER_DIR]
+
+--probe also runs `opd plan --probe`'s measurement (stages/tools/probe.py) on the same shapes with
+NF4 student and teacher, and records at the end of each of its phases what is allocated and the
+largest live blocks (the plan test found 4.35 GiB in its rollout phase against 1.42 here).
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ def largest_at_peak(snapshot: dict, n: int = 8) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--probe", default=None, help="a SmolLM2 tokenizer dir: also run the pipeline's probe")
     args = ap.parse_args()
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -92,7 +97,50 @@ def main() -> int:
         student.eval()
     step("student forward+backward", update)
     args.out.write_text(json.dumps(rec, indent=1) + "\n")
+    if args.probe:
+        del student, teacher, out, p
+        torch.cuda.empty_cache()
+        rec["probe"] = probe_phases(args.probe, tmp)
+        args.out.write_text(json.dumps(rec, indent=1) + "\n")
     return 0
+
+
+def probe_phases(tokenizer: str, tmp: Path) -> dict:
+    """The pipeline probe with NF4 both, its `phase` wrapped to snapshot what is live at each exit."""
+    from contextlib import contextmanager
+
+    from stages.blocks import config, plan
+    from stages.tools import probe
+
+    tok = str(Path(tokenizer).resolve())
+    cfg = config.compose([
+        "student.name=arch:smollm2-360m", "student.init=random", "student.keep_layers=0", f"student.tokenizer={tok}",
+        "teacher.name=arch:smollm2-1.7b", "teacher.init=random", f"teacher.tokenizer={tok}",
+        "data.max_prompt_tokens=128", "rollout.max_new_tokens=64", "rollout.batch_size=4", "runtime.device=cuda",
+        "student.quant=nf4", "teacher.quant=nf4", "memory.placement=resident", f"artifacts={tmp / 'artifacts'}"])
+    est = plan.estimate(cfg)
+    seen: dict = {}
+    inner = probe.phase
+
+    @contextmanager
+    def watched(device, record, tokens=0):
+        torch.cuda.memory._record_memory_history(max_entries=200000)
+        with inner(device, record, tokens) as box:
+            yield box
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        seen[len(seen)] = {"record": dict(record), "allocated_gib": round(torch.cuda.memory_allocated() / GIB, 4),
+                           "largest_live_at_end": largest_at_peak(snap, 12)}
+        print(json.dumps(seen[len(seen) - 1]), flush=True)
+
+    probe.phase = watched
+    try:
+        before = round(torch.cuda.memory_allocated() / GIB, 4)
+        out = probe.measure(cfg, est)
+    finally:
+        probe.phase = inner
+    return {"allocated_before_gib": before, "plan_peak_gib": est.get("peak_gib"), "phases": seen,
+            "measured": out["phases"]}
 
 
 if __name__ == "__main__":

@@ -1,43 +1,13 @@
 """The rollout engine against transformers: greedy tokens, recorded log-probs, reproducibility, EOS."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 import numerics
-from stages.blocks import lmhead, models, sampler
-from stages.blocks.config import ROOT, LoraCfg
+from stages.blocks import lmhead, sampler
 from support import seeds
-
-EOS, PAD = 2, 2
-
-
-def tiny(name="tiny-llama", seed=0, **over):
-    spec = {k: v for k, v in json.loads((ROOT / "conf/arch" / f"{name}.json").read_text()).items() if k != "_comment"}
-    spec.update(over)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec), dtype=torch.float32).eval()
-
-
-def with_trained_lora(model, scale=0.2):
-    peft = models.add_lora(model, LoraCfg(r=4, alpha=8), seed=1)
-    with torch.no_grad():  # make the adapter non-trivial so merging matters
-        for n, p in peft.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, scale)
-    return peft
-
-
-PROMPTS = [[1, 500, 600, 700, 800], [1, 42], [1, 9000, 9001, 9002]]
-
-
-def hf_greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                         pad_token_id=PAD, min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
+from tinymodels import EOS, PAD, PROMPTS, engine_hidden, hf_greedy, tempered_logprob, tiny, with_trained_lora
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -52,37 +22,6 @@ def test_greedy_matches_transformers_generate(arch):
     got = eng.generate(PROMPTS, n, eos=-1, pad=PAD, seed=0, greedy=True)  # eos=-1: never stop
     for b, p in enumerate(PROMPTS):
         assert got.tokens[b].tolist() == hf_greedy(model, p, n)
-
-
-def tempered_logprob(head, targets, temperature):
-    """The LM head and the tempered log-softmax at the target, per position: h [n, H] -> [n]."""
-    def f(h):
-        logits = torch.nn.functional.linear(h, head).float()
-        return torch.log_softmax(logits / temperature, -1).gather(-1, targets[:, None])[:, 0]
-    return f
-
-
-def engine_hidden(model, prompts, responses, pad=PAD):
-    """The engine's arithmetic over prompt + response in one pass, up to the head: LoRA merged into
-    the weights (sampling_weights), the functional decoder on generate's left-padded layout; the
-    hidden state that predicts each response token [n, H]. generate computes the same ops one token
-    at a time (each position's q/k/v and MLP are per-position ops, each query attends over the same
-    keys), so this graph's bound is the bound of what generate recorded."""
-    W = sampler.sampling_weights(model)
-    B, P, N = len(prompts), max(len(x) for x in prompts), max(len(r) for r in responses)
-    L = P + N
-    ids = torch.full((B, L), pad, dtype=torch.long)
-    for b, (x, r) in enumerate(zip(prompts, responses)):
-        ids[b, P - len(x):P + len(r)] = torch.tensor(x + r)
-    pad_len = torch.tensor([P - len(x) for x in prompts])
-    q = torch.arange(L)
-    valid = (q[None, None, :] <= q[None, :, None]) & (q[None, None, :] >= pad_len[:, None, None])
-    valid = valid | ((q[None, :, None] < pad_len[:, None, None]) & (q[None, None, :] == q[None, :, None]))
-    shape = (W["n_layers"], B, W["n_kv"], L, W["head_dim"])
-    h = sampler._forward(W, ids, (q[None, :] - pad_len[:, None]).clamp_min(0), torch.zeros(shape), torch.zeros(shape),
-                         q, valid)  # [B, L, H]
-    at = [(b, P - 1 + t) for b, r in enumerate(responses) for t in range(len(r))]
-    return h[torch.tensor([a for a, _ in at]), torch.tensor([c for _, c in at])]
 
 
 @pytest.mark.parametrize("seed", seeds(1))

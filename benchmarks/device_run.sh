@@ -10,11 +10,12 @@
 #   device: run(command="bash benchmarks/device_run.sh [tests|bench|all]", carry=[".whl", ".bench"])
 # The embedded GGUF model is over the carry limit, so tests take the tokenizer from .bench
 # (OPD_TEST_TOKENIZER) and the benchmark builds random-init models of the real shapes.
-# Durations seen on the H200 (2026-12-01): tests ~260 s (the byte-identity test ~110 s of it); bench:
-# seed models ~40 s, ours ~50 s, ckpt ~35 s, TRL ~50 s, miniVERL hf_reference ~4 min (22.8 s per
-# rollout), hf_cached ~1.5 min, the compiled arm unknown (never finished in its share), workload b
-# ~40 s. `all` does not fit one 600 s call: run `tests` and `bench` as two calls (bench with
-# OPD_DEADLINE_S=570 and timeout 600), or drop arms through OPD_BENCH_EXTRA.
+# Durations seen on the H200 (2026-12-01, with the compiled decode step): tests ~390 s (the byte-
+# identity tests ~120 + 85 s of it); bench: seed models ~30 s, ours ~45 s per arm (default, eager,
+# ckpt), TRL ~50 s, miniVERL at --peer-updates 3: hf_reference ~100 s, hf_cached ~45 s, the compiled
+# arm >128 s (never finished in its share), workload b ~40 s of seed + ~60 s. `all` does not fit one
+# 600 s call: run `tests` and `bench` as two calls (bench with OPD_DEADLINE_S=555 and timeout 600),
+# or drop arms through OPD_BENCH_EXTRA (e.g. "--workload b" alone: ~4 min).
 # OPD_BENCH_EXTRA: more systems.py options, later ones win (e.g. "--ours default --peers miniverl").
 # OPD_DEADLINE_S (default 520): seconds from this script's start by which the benchmark stops
 # starting systems (the ones skipped are recorded as such), so the call ends inside its limit.

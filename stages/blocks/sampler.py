@@ -323,8 +323,9 @@ class Engine:
                 except Exception as e:  # noqa: BLE001  no working compiler (Triton) here: the eager decode step
                     if not self.compile:
                         raise
-                    print(f"warning: rollout.compile: the compiled decode step failed ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:160]}); sampling with the eager step", file=sys.stderr)
+                    print(f"warning: runtime.compile: the compiled decode step failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:160]}); sampling with the eager step "
+                          "(runtime.compile=false skips the attempt)", file=sys.stderr)
                     self.compile = False
                     for k, v in snap.items():
                         st[k].copy_(v)

@@ -4,6 +4,7 @@ inside a function to dodge one."""
 from __future__ import annotations
 
 import ast
+from pathlib import Path
 
 from stages.tools import dvcyaml
 
@@ -109,3 +110,13 @@ def test_late_imports_are_seen():
     src = "from . import a\n\ndef f():\n    from . import b\n"
     tree = ast.parse(src)
     assert [isinstance(n, ast.ImportFrom) for n in tree.body] == [True, False]
+
+
+def test_test_module_names_are_unique_across_tests():
+    """pytest imports test folders' modules by basename (each folder joins sys.path), so two helper
+    modules of one name shadow each other depending on collection order (tests/tinymodels.py once hid
+    tests/verl/tinymodels.py). conftest.py is pytest's own per-folder file."""
+    from collections import Counter
+
+    names = Counter(p.name for p in Path(__file__).parent.rglob("*.py") if p.name != "conftest.py")
+    assert [n for n, c in names.items() if c > 1] == []

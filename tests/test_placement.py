@@ -19,7 +19,7 @@ from stages import rollout, score, train, update
 from stages.blocks import batch, lmhead, memory, models, sampler, tables
 from stages.blocks.errors import UserError
 from stages.session import Session
-from tinymodels import tempered_logprob
+from engine_models import tempered_logprob
 
 # teacher = the student's own base (same name/init/keep_layers): what shared_backbone needs
 SAME = ["teacher.name=arch:tiny-llama", "teacher.init=random"]

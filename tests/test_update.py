@@ -14,7 +14,7 @@ from stages import objectives, update
 from stages.blocks import adapters, config, lmhead, models
 from stages.blocks.config import LoraCfg
 from support import seeds
-from tinymodels import tiny
+from engine_models import tiny
 
 PROMPTS = [[1, 500, 600, 700, 800], [1, 42], [1, 9000, 9001, 9002]]
 RESP = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18, 19, 20, 21]]

@@ -7,7 +7,7 @@ import torch
 import numerics
 from stages.blocks import lmhead, sampler
 from support import seeds
-from tinymodels import EOS, PAD, PROMPTS, engine_hidden, hf_greedy, tempered_logprob, tiny, with_trained_lora
+from engine_models import EOS, PAD, PROMPTS, engine_hidden, hf_greedy, tempered_logprob, tiny, with_trained_lora
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

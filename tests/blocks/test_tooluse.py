@@ -10,7 +10,7 @@ import torch
 
 import numerics
 from support import ROOT, TINY, opd, session
-from tinymodels import engine_hidden, tempered_logprob
+from engine_models import engine_hidden, tempered_logprob
 from stages import envs, tooleval, train
 from stages.blocks import config, lmhead, tables, tooluse
 from stages.blocks.errors import UserError

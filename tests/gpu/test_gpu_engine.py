@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from stages.blocks import lmhead, sampler
-from tinymodels import PROMPTS, hf_greedy, tiny, with_trained_lora
+from engine_models import PROMPTS, hf_greedy, tiny, with_trained_lora
 
 pytestmark = pytest.mark.gpu
 

@@ -163,6 +163,12 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile: Pat
         "store_seconds_total": train_json["timings"].get("store_seconds"),
         "median_rollout_s": median(per("rollout", "wall_s")), "median_score_s": median(per("score", "wall_s")),
         "median_update_phase_s": median(per("policy", "wall_s")),
+        # the step outside the three phases (wall - phases), and the recorded pieces of it per stage
+        # (inputs, Parquet, adapter/optimizer serialisation, the wait for the previous background publish)
+        "median_outside_phases_s": median([w_ - u for w_, u in zip(walls[1:], update_total)]),
+        "median_io_s": {f"{ph}.{key}": median([(s[ph].get("io_s") or {}).get(key) for s in steps[1:]])
+                        for ph in ("rollout", "score", "policy")
+                        for key in sorted({kk for s in steps for kk in (s[ph].get("io_s") or {})})},
         "rollout_tok_per_s": rate(per("rollout", "wall_s")),
         "scored_positions_per_s": rate(per("score", "wall_s")),
         "update_positions_per_s": rate(per("policy", "wall_s")),
@@ -310,6 +316,11 @@ def markdown(result: dict) -> str:
                          f"{s.get('median_update_phase_s')} | {s.get('rollout_tok_per_s')} | {s.get('scored_positions_per_s')} | "
                          f"{s.get('update_positions_per_s')} | {peaks} | {s.get('first_update_incl_construction_s', s.get('construction_s'))} | "
                          f"{s.get('resume_s', '')} |")
+        for s in wres["systems"]:
+            if s.get("median_outside_phases_s") is not None:
+                io = ", ".join(f"{k} {v}" for k, v in s["median_io_s"].items() if v)
+                lines += ["", f"{s['name']}: {s['median_outside_phases_s']} s of each step outside the three phases "
+                          f"(recorded pieces, median s: {io})"]
         if wres.get("ratios"):
             lines += ["", "Ratios (peer median s/update ÷ ours): " + ", ".join(f"{k}: {v}x" for k, v in wres["ratios"].items())]
         lines.append("")

@@ -142,7 +142,7 @@ def test_totals_are_the_sum_of_their_items():
 def test_activation_formula_matches_autograd_saved_tensors():
     """Bytes autograd saves per layer and token (measured through saved_tensors_hooks, one layer
     against two) equal the plan's formula within 3%, in fp32 and bf16."""
-    from test_sampler import tiny
+    from engine_models import tiny
 
     from stages.blocks import lmhead, models
 

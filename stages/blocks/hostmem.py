@@ -56,11 +56,19 @@ class _MallInfo2(ctypes.Structure):
                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def free_heap_bytes() -> int | None:
-    """Free bytes malloc holds in its main heap for reuse (glibc >= 2.33: mallinfo2), else None."""
+def mallinfo() -> dict | None:
+    """glibc's own accounting of the main arena (mallinfo2, glibc >= 2.33), else None. `fordblks`:
+    free bytes held for reuse; `hblkhd`: bytes in blocks served by mmap."""
     try:
         f = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
     except (OSError, AttributeError):
         return None
     f.restype = _MallInfo2
-    return int(f().fordblks)
+    info = f()
+    return {name: int(getattr(info, name)) for name, _ in _MallInfo2._fields_}
+
+
+def free_heap_bytes() -> int | None:
+    """Free bytes malloc holds in its heap for reuse, or None where it cannot say."""
+    info = mallinfo()
+    return None if info is None else info["fordblks"]

@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,6 +24,7 @@ def _find(systems: list[dict], prefix: str):
     return next((s for s in systems if s["name"].startswith(prefix)), None)
 
 
+@lru_cache(maxsize=None)
 def _committed_at(p: Path) -> float:
     """When git first saw the file (a file not committed yet is the newest)."""
     r = subprocess.run(["git", "log", "--diff-filter=A", "--format=%ct", "--", str(p)], cwd=ROOT,

@@ -21,9 +21,9 @@ nothing done.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
+from functools import lru_cache
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
 KEEP = {"M_MMAP_THRESHOLD": (M_MMAP_THRESHOLD, 1 << 30),  # blocks up to 1 GiB from the heap
@@ -40,15 +40,20 @@ def keep_freed_memory() -> dict | None:
     if os.environ.get("OPD_MALLOC") == "default" or \
             any(os.environ.get(v) for v in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
         return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and others: no mallopt
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:  # not glibc: no mallopt
         return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     done = {name: value for name, (param, value) in KEEP.items() if mallopt(param, value) == 1}
     _applied = done or None
     return _applied
+
+
+@lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    """The C library this process already runs (its global symbols: no lookup, no subprocess, unlike
+    ctypes.util.find_library, which runs ldconfig)."""
+    return ctypes.CDLL(None)
 
 
 class _MallInfo2(ctypes.Structure):
@@ -59,9 +64,8 @@ class _MallInfo2(ctypes.Structure):
 def mallinfo() -> dict | None:
     """glibc's own accounting of the main arena (mallinfo2, glibc >= 2.33), else None. `fordblks`:
     free bytes held for reuse; `hblkhd`: bytes in blocks served by mmap."""
-    try:
-        f = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
-    except (OSError, AttributeError):
+    f = getattr(_libc(), "mallinfo2", None)  # (called after every CPU phase: _libc is looked up once)
+    if f is None:
         return None
     f.restype = _MallInfo2
     info = f()

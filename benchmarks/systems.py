@@ -190,37 +190,62 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile: Pat
 
 
 def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
-    """torch.profiler over one more step (after an unprofiled warm-up step): where the time goes.
-    Writes the tables to `out_file`; returns the profiled phases' wall times."""
+    """Where the time of a step goes, over three more steps after an unprofiled warm-up step:
+    one under torch.profiler (device kernels and host ops), one under cProfile (the host's Python:
+    what the main thread waits in outside the phases), one timed call by call as the train loop
+    runs it. Writes the tables to `out_file`; returns the torch-profiled stages' wall times."""
+    import cProfile
+    import io
+    import pstats
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from stages import rollout, score, train, update
-    from stages.blocks import config
+    from stages.blocks import config, runview
 
-    # its own run name: the profiled run has two more updates, and a run view holds one run
-    over = [o for o in overrides if not o.startswith("run=")] + ["run=profile", f"train.updates={done + 2}"]
+    # its own run name: the profiled run has more updates, and a run view holds one run
+    over = [o for o in overrides if not o.startswith("run=")] + ["run=profile", f"train.updates={done + 4}"]
     sess = train.session(config.compose(over))
     train.ensure_policy(sess, done + 1)  # warm: models resident, graphs captured
-    k, walls = done + 2, {}
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
-    with profile(activities=acts) as prof:
-        for name, fn in (("rollout", rollout.run), ("score", score.run), ("update", update.run)):
+    sess.store.flush()
+
+    def step(k: int, walls: dict) -> None:  # one step as train.run runs it, each call timed
+        for name, fn in (("rollout", rollout.run), ("score", score.run), ("update", update.run),
+                         ("flush (join the publish)", lambda s, _k: s.store.flush()),
+                         ("run view", lambda s, kk: (s.link_step(kk), runview.add_step(s, kk))),
+                         ("history row", train.history_row)):
             t = time.perf_counter()
             fn(sess, k)
             walls[name] = round(time.perf_counter() - t, 4)
-            print(f"profiled {name}: {walls[name]} s", flush=True)
-        sess.store.flush()
+
+    k, walls = done + 2, {}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step(k, walls)
+    print(f"profiled step {k}: {walls}", flush=True)
     ka = prof.key_averages()
+    cp, cp_walls = cProfile.Profile(), {}
+    cp.enable()
+    step(k + 1, cp_walls)
+    cp.disable()
+    plain: dict = {}
+    step(k + 2, plain)
+    buf = io.StringIO()
+    st = pstats.Stats(cp, stream=buf)
+    st.sort_stats("tottime").print_stats(45)
+    st.sort_stats("cumulative").print_stats(60)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text(
-        f"profiled step {k}: " + json.dumps(walls) + "\n\n" +
+        f"step {k + 2} timed call by call (no profiler): " + json.dumps(plain) + "\n" +
+        f"step {k + 1} under cProfile: " + json.dumps(cp_walls) + "\n" +
+        f"step {k} under torch.profiler: " + json.dumps(walls) + "\n\n" +
         (ka.table(sort_by="self_cuda_time_total", row_limit=25) + "\n\n" if DEVICE == "cuda" else "") +
-        ka.table(sort_by="cpu_time_total", row_limit=40))
+        ka.table(sort_by="cpu_time_total", row_limit=40) + "\n\n" + buf.getvalue())
     del sess, prof
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
-    return walls
+    return {**walls, "timed_step": plain}
 
 
 # ---------------------------------------------------------------- peers

@@ -186,7 +186,40 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile: Pat
     out["peak_reserved_gib"]["overall"] = max(out["peak_reserved_gib"].values())
     if profile:
         out["profiled_phases_s"] = profile_steps(overrides, w["updates"], profile)
+        out["profiled_first_update_s"] = profile_first_update(w, work, tokenizer, python, extra, name, profile)
     return out
+
+
+def profile_first_update(w: dict, work: Path, tokenizer: str, python: str, extra: tuple[str, ...], name: str,
+                         out_file: Path) -> float:
+    """cProfile over a fresh process's construction and first update (`opd stage train`, 1 update,
+    a fresh store): where the seconds before the first step go. torch.compile's caches on disk are
+    warm from the runs before it (a user's second run on the machine). Appended to `out_file`."""
+    from stages.blocks import config
+
+    tag = f"{name}-first"
+    art = fresh_artifacts(work, tag)
+    params = work / tag / "params.yaml"
+    over = [o for o in overrides_for(w, work, tokenizer, art, tag, extra) if not o.startswith("train.updates=")]
+    params.write_text(json.dumps(config.to_dict(config.compose([*over, "train.updates=1"]))))
+    prof = work / tag / "first.prof"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    t = time.perf_counter()
+    r = subprocess.run([python, "-m", "cProfile", "-o", str(prof), "-m", "stages.cli", "stage", "train",
+                        "--params", str(params)], cwd=work / tag, env=env, capture_output=True, text=True)
+    wall = round(time.perf_counter() - t, 2)
+    if r.returncode:
+        raise RuntimeError(f"profiled first update failed:\n{r.stderr[-3000:]}")
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    pstats.Stats(str(prof), stream=buf).sort_stats("cumulative").print_stats(70)
+    with open(out_file, "a") as f:
+        f.write(f"\n\nA fresh process and store (compile caches warm): construction + 1 update under cProfile, {wall} s "
+                f"(first_update_s {json.loads((art / 'runs' / tag / 'train.json').read_text())['timings'].get('first_update_s')})\n")
+        f.write(buf.getvalue())
+    return wall
 
 
 def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
@@ -231,6 +264,20 @@ def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
     cp.disable()
     plain: dict = {}
     step(k + 2, plain)
+    # the rollout split: prefill (+ one token) against the whole response, same prompts and engine
+    from stages.blocks import batch
+
+    ro = batch.read_rollout(sess.store.path("rollout", sess.rollout_digest(k + 2)) / "rollout.parquet")
+    ids, split = ro.column("prompt_ids").to_pylist(), {}
+    if ids:
+        n = sess.cfg.rollout.max_new_tokens
+        for new in (1, n, 1, n):  # each twice: the first call of a length captures its graph
+            t = time.perf_counter()
+            sess.generate(ids, new, seed=0, min_new=new)
+            split[new] = round(time.perf_counter() - t, 4)
+        split = {"prefill_and_1_token_s": split[1], f"prefill_and_{n}_tokens_s": split[n],
+                 "per_decode_step_ms": round((split[n] - split[1]) / (n - 1) * 1000, 3)}
+    plain["rollout_split"] = split
     buf = io.StringIO()
     st = pstats.Stats(cp, stream=buf)
     st.sort_stats("tottime").print_stats(45)
@@ -373,9 +420,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=("a", "b", "all"), default="all")
     ap.add_argument("--peers", default="trl,miniverl")
-    ap.add_argument("--ours", default="default,eager,ckpt",
-                    help="our arms: default (the configuration as shipped: compiled decode step on CUDA), "
-                         "eager (runtime.compile=false), ckpt (activation checkpointing)")
+    ap.add_argument("--ours", default="default,eager,ckpt,nf4",
+                    help="our arms: default (the configuration as shipped: compiled decode step and layers on "
+                         "CUDA), eager (runtime.compile=false), ckpt (activation checkpointing), nf4 (NF4 student "
+                         "and teacher; bitsandbytes)")
     ap.add_argument("--peer-updates", type=int, default=0,
                     help="updates for miniVERL's arms (0: the workload's); medians skip the first either way")
     ap.add_argument("--miniverl-arms", default=",".join(a for a, _, _ in MINIVERL_ARMS))
@@ -438,6 +486,9 @@ def main(argv=None) -> int:
         if "ckpt" in ours_arms:  # the same pipeline trading one extra forward for update-phase memory
             add(run_system(ours_pipeline, "opd-stages-ckpt", deadline, 45, w, work, tok, py, None,
                            ("train.activation_checkpointing=true",), "opd-stages-ckpt"))
+        if "nf4" in ours_arms and not args.smoke:  # QLoRA: NF4 student (LoRA on it) and NF4 teacher
+            add(run_system(ours_pipeline, "opd-stages-nf4", deadline, 45, w, work, tok, py, None,
+                           ("student.quant=nf4", "teacher.quant=nf4"), "opd-stages-nf4"))
         if "trl" in peers and not args.smoke:
             add(run_system(trl_peer, "TRL 1.16 DistillationTrainer", deadline, 60, w, work, py, seed))
         if "miniverl" in peers:

@@ -55,6 +55,8 @@ class Session:
             if self.cfg.train.activation_checkpointing:  # only active in train() mode, i.e. the update
                 models.enable_activation_checkpointing(base)
             self._student = models.add_lora(base, self.cfg.lora, seed_of(self.init_digest()))
+            if self.compiled_layers(self.cfg.student):
+                models.compile_layers(self._student, training=True)
         self._on_device("student")
         return self._student
 
@@ -70,6 +72,8 @@ class Session:
                     raise UserError(f"teacher_mode=protocol_sft: the teacher adapter sft/{dig[:12]} is not in the "
                                     "store; run `opd stage train` first")
                 teacher = adapters.merged(teacher, d / "adapter", self.cfg.lora)
+            if self.compiled_layers(self.cfg.teacher):
+                models.compile_layers(teacher, training=False)
             self._teacher = teacher
         self._on_device("teacher")
         return self._teacher
@@ -195,10 +199,17 @@ class Session:
         """The rollout engine's decode step is compiled: CUDA with graphs and runtime.compile."""
         return self.device.type == "cuda" and self.cfg.rollout.cuda_graphs and self.cfg.runtime.compile
 
+    def compiled_layers(self, mcfg) -> bool:
+        """A model's decoder layers run compiled (the student's in training, the teacher's scoring
+        forward): CUDA with runtime.compile, an unquantized model (bitsandbytes' layers are not traced)."""
+        return self.device.type == "cuda" and self.cfg.runtime.compile and mcfg.quant == "none"
+
     def runtime_slice(self) -> dict:
         s = {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch.")}
         if self.compiled_decode:  # (no key when eager: those digests are what they were)
             s["decode"] = "compiled"
+        if self.compiled_layers(self.cfg.student) or self.compiled_layers(self.cfg.teacher):
+            s["layers"] = "compiled"  # fused kernels round differently (which: by the quant keys, in the digests)
         if self.device.type == "cpu":
             # MKL's reproducibility mode decides the CPU bytes; under its strict mode the thread
             # count does not (1 and 2 threads give identical runs), under any other mode it may

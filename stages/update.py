@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 from . import objectives
 from .blocks import adapters, batch, lmhead, memory, models, tables
@@ -141,6 +140,7 @@ def run(sess: Session, k: int) -> Path:
         if live and live[0] == sess.policy_digest(k - 1):  # resident AdamW already holds policy k-1's state
             opt, named = live[1], live[2]
         else:  # after an SFT cold start the distillation starts its own Adam moments (the SFT loss's are not its)
+            sess.store.wait(prev)  # (read from its published file)
             opt, named = adapters.make_optimizer(cfg.optim, student,
                                                  None if prev.parent.name == "sft" else prev / "optimizer.safetensors")
         lr = cfg.optim.lr * min(1.0, k / cfg.optim.warmup_updates) if cfg.optim.warmup_updates else cfg.optim.lr
@@ -148,12 +148,7 @@ def run(sess: Session, k: int) -> Path:
             gr["lr"] = lr
         state: dict = {"stage": "update", "step": k, "digest": dig, "lr": lr}
         io = state["io_s"] = {"inputs": round(time.perf_counter() - t_in, 4)}  # outside the timed phase
-        # the previous update may still be writing its adapter and moments on the publish thread:
-        # they are read from the live tensors, so join it before this step changes them
-        t_w = time.perf_counter()
-        sess.store.wait(prev)
-        io["wait_previous_publish"] = round(time.perf_counter() - t_w, 4)
-        student.train()
+        models.set_training(student, True)
 
         def attempt(chunk: int):  # run again with a halved chunk after a CUDA OOM (memory.chunk_retry)
             opt.zero_grad(set_to_none=True)  # a failed attempt's partial gradients are discarded
@@ -169,7 +164,16 @@ def run(sess: Session, k: int) -> Path:
             if not np.isfinite(gn):
                 raise UserError(f"update step {k}: gradient norm is {gn}; stopped before publishing")
             opt.step()
-        student.eval()
+        # the files' values, snapshotted in order with the step that made them: the publish thread
+        # writes them while the next step runs (whose optimizer step changes the live tensors)
+        adapter_now = adapters.host_copy(adapters.adapter_state(student))
+        moments_now = adapters.host_copy(adapters.optimizer_state(opt, named))
+        models.set_training(student, False)
+        # the previous update's files were snapshotted at its step: its publish (on the worker thread)
+        # overlapped this step's compute, and is joined here so that at most one is in flight
+        t_w = time.perf_counter()
+        sess.store.wait(prev)
+        io["wait_previous_publish"] = round(time.perf_counter() - t_w, 4)
         t_r = time.perf_counter()
         if sess.adapter_changed(dig):  # the resident student now holds policy k; CUDA: engine refreshed in place
             io["engine_refresh"] = round(time.perf_counter() - t_r, 4)  # (CPU drops it; the next rollout builds it)
@@ -179,19 +183,19 @@ def run(sess: Session, k: int) -> Path:
 
         def rest(tmp: Path) -> None:  # the writes: on the publish thread under background publishing
             t_s = time.perf_counter()
-            adapters.save_adapter(student, tmp / "adapter", f"opd-store/model/{sess.prepared['student']}")
+            adapters.write_adapter(student, adapter_now(), tmp / "adapter", f"opd-store/model/{sess.prepared['student']}")
             io["save_adapter"] = round(time.perf_counter() - t_s, 4)
             fault("update.mid", tmp)  # half-written: adapter saved, optimizer not yet
             t_s = time.perf_counter()
-            adapters.save_optimizer(opt, named, tmp / "optimizer.safetensors")
+            adapters.write_optimizer(moments_now(), tmp / "optimizer.safetensors")
             io["save_optimizer"] = round(time.perf_counter() - t_s, 4)
             write_json(tmp / "state.json", state)
 
         return rest
 
-    # On CUDA the update's files (adapter + AdamW moments) are copied to the host, serialised, sealed
-    # and renamed on a worker thread while the next rollout runs; the resident student already holds
-    # policy k, and the next update joins this publish before its optimizer step changes the tensors.
+    # On CUDA the update's files (adapter + AdamW moments, snapshotted right after the optimizer step)
+    # are written, sealed and renamed on a worker thread while the next step runs; the resident
+    # student already holds policy k, and the next update joins this publish after its own compute.
     # Not on CPU: a kill between steps (train.between_steps) would lose the update still publishing
     # there and recompute it; the train loop would first have to join it at that point.
     d, _ = sess.store.ensure("update", dig, produce, background=sess.background_publish)
@@ -205,7 +209,7 @@ def init(sess: Session) -> Path:
     def produce(tmp: Path) -> None:
         student = sess.student()
         adapters.save_adapter(student, tmp / "adapter", f"opd-store/model/{sess.prepared['student']}")
-        save_file({}, tmp / "optimizer.safetensors")
+        adapters.save_tensors(tmp / "optimizer.safetensors", {})
         n_train = sum(q.numel() for _, q in models.trainable(student))
         write_json(tmp / "state.json", {"stage": "init", "digest": dig, "trainable_params": n_train})
         sess.adapter_changed(dig)

@@ -187,9 +187,9 @@ def test_no_tokens_by_vocab_fp32_tensor_beyond_one_chunk():
 
 
 def test_background_publish_writes_the_same_bytes_on_the_publish_thread(work, monkeypatch):
-    """What CUDA does (adapter + AdamW moments copied, serialised, sealed and renamed on the publish
-    thread while the next step runs), forced on the CPU: the same files as synchronous publishing,
-    and each update joined its predecessor's publish before changing the tensors it reads."""
+    """What CUDA does (adapter + AdamW moments snapshotted at the optimizer step, then written,
+    sealed and renamed on the publish thread while the next step runs), forced on the CPU: the same
+    files as synchronous publishing, even when the writer is slower than the next step's compute."""
     import json
     import shutil
     import threading
@@ -201,16 +201,16 @@ def test_background_publish_writes_the_same_bytes_on_the_publish_thread(work, mo
 
     import time
 
-    real_adapter, real_opt = adapters.save_adapter, adapters.save_optimizer
+    real_adapter, real_opt = adapters.write_adapter, adapters.write_optimizer
 
     def run(tag: str, background: bool) -> dict:
         monkeypatch.setattr(Session, "background_publish", property(lambda s: background))
         threads: list[str] = []
-        # a slow writer (a big adapter over PCIe): the next step's rollout and score finish before it
-        # starts copying, so bytes only match if that step's optimizer step waited for it
-        monkeypatch.setattr(adapters, "save_adapter",
+        # a slow writer (a slow disk): the next step's rollout, score and optimizer step run before it
+        # writes, so bytes only match if it writes the snapshot of its own step, not the live tensors
+        monkeypatch.setattr(adapters, "write_adapter",
                             lambda *a: (time.sleep(1.5 if background else 0), real_adapter(*a))[1])
-        monkeypatch.setattr(adapters, "save_optimizer",
+        monkeypatch.setattr(adapters, "write_optimizer",
                             lambda *a: (threads.append(threading.current_thread().name), real_opt(*a))[1])
         sess = session(work, "train.updates=3", "runtime.threads=1", f"run={tag}")
         train.run(sess)

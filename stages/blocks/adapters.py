@@ -1,50 +1,133 @@
 """LoRA adapters and their optimizer state as files: the PEFT adapter dir and optimizer.safetensors
 that init, sft and update publish, and the teacher with an SFT adapter merged in.
 
-The safetensors files are serialised in memory and written with `store.write_bytes`, which hashes
-the bytes as it writes them: sealing the stage then does not read back and re-hash what was just
-written (the same bytes as safetensors' save_file)."""
+Publishing an update is split in two (docs/architecture.md, "publishing"): the caller takes a
+snapshot right after the optimizer step (`host_copy`: one device -> host copy per dtype, queued,
+never waited for on the caller's thread), and the publish thread writes it (`write_adapter`,
+`write_optimizer`). The files are safetensors byte for byte as `safetensors.torch.save` writes
+them (tests/blocks/test_adapters.py compares), but written from the snapshot's own memory by
+`save_tensors`: safetensors' serialiser copies every byte into one Python bytes object while
+holding the interpreter lock (~30 ms stalls of the training thread measured for the ~100 MB of
+adapter and moments of the 360M student), where writing the buffers as they are releases it.
+`store.write_bytes` hashes the bytes as it writes them: sealing does not read them back."""
 from __future__ import annotations
 
 import json
+import struct
+import weakref
 from pathlib import Path
+from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 
 from . import models
 from .config import LoraCfg, OptimCfg
 from .store import write_bytes
 
+# safetensors' dtype names, in the order its serialiser lays tensors out: by dtype (this rank,
+# highest first), then by name
+_DTYPES = {torch.bool: ("BOOL", 0), torch.uint8: ("U8", 1), torch.int8: ("I8", 2), torch.int16: ("I16", 3),
+           torch.float16: ("F16", 4), torch.bfloat16: ("BF16", 5), torch.int32: ("I32", 6),
+           torch.float32: ("F32", 7), torch.float64: ("F64", 8), torch.int64: ("I64", 9)}
 
-def to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Device -> host in one copy per dtype (hundreds of small LoRA tensors would each sync).
 
-    CUDA: on a side stream into pinned memory. This runs on the publish thread; a blocking `.cpu()`
-    there would queue on the default stream, between the next step's kernels, and crawl through
-    pageable memory (~26 ms per copy of adapter or moments measured on an H200, the decode waiting
-    behind it). The side stream first waits for what is queued now (the optimizer step that made
-    these values); only this thread waits for the copies."""
-    out: dict[str, torch.Tensor] = {}
-    groups = {dt: [n for n, t in tensors.items() if t.dtype == dt] for dt in {t.dtype for t in tensors.values()}}
-    on_cuda = [t.device for t in tensors.values() if t.device.type == "cuda"]
-    flats = {}
-    if on_cuda:
-        side = torch.cuda.Stream(on_cuda[0])
-        side.wait_stream(torch.cuda.current_stream(on_cuda[0]))
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file of host tensors: the header as safetensors writes it, then each tensor's
+    bytes straight from its memory (no serialised copy; see the module docstring)."""
+    order = sorted(tensors, key=lambda n: (-_DTYPES[tensors[n].dtype][1], n))
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    off = 0
+    for n in order:
+        t = tensors[n]
+        nb = t.numel() * t.element_size()
+        header[n] = {"dtype": _DTYPES[t.dtype][0], "shape": list(t.shape), "data_offsets": [off, off + nb]}
+        off += nb
+    h = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    h += b" " * (-len(h) % 8)  # the data starts 8-byte aligned
+    data = [tensors[n].contiguous().reshape(-1).view(torch.uint8).numpy() for n in order]
+    write_bytes(path, struct.pack("<Q", len(h)), h, *data)
+
+
+def host_copy(tensors: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.Tensor]]:
+    """Snapshot `tensors` now; the returned function waits for the copy and gives host tensors
+    (views into one buffer per dtype: hundreds of small LoRA tensors would each be a copy).
+
+    CUDA: the snapshot is one `cat` per dtype on the current stream, in order with the kernels that
+    made the values (an optimizer step may change the originals right after: the snapshot is
+    private); it goes to pinned host memory on a side stream, and only the caller of the returned
+    function waits for that copy. A blocking `.cpu()` would wait for everything queued before it
+    and crawl through pageable memory (~26 ms per copy of adapter or moments on an H200)."""
+    groups: dict[torch.dtype, list[str]] = {}
+    for n, t in tensors.items():
+        groups.setdefault(t.dtype, []).append(n)
+    dev = next((t.device for t in tensors.values() if t.device.type == "cuda"), None)
+    flats, done = {}, None
+    if dev is not None:
+        snaps = {dt: torch.cat([tensors[n].detach().reshape(-1) for n in names]) for dt, names in groups.items()}
+        made = torch.cuda.Event()
+        made.record()
+        side, done = torch.cuda.Stream(dev), torch.cuda.Event()
+        side.wait_event(made)
         with torch.cuda.stream(side):
-            for dt, names in groups.items():
-                dev_flat = torch.cat([tensors[n].detach().reshape(-1) for n in names])
-                flats[dt] = torch.empty(dev_flat.shape, dtype=dt, pin_memory=True)
-                flats[dt].copy_(dev_flat, non_blocking=True)
-                del dev_flat  # (freed on the side stream, which alone used it)
-        side.synchronize()
+            for dt, snap in snaps.items():
+                flats[dt] = torch.empty(snap.shape, dtype=dt, pin_memory=True)
+                flats[dt].copy_(snap, non_blocking=True)
+                snap.record_stream(side)  # (its memory is reused only after the side stream read it)
+        done.record(side)
     else:
-        flats = {dt: torch.cat([tensors[n].detach().reshape(-1) for n in names]).cpu() for dt, names in groups.items()}
-    for dt, names in groups.items():
-        for n, piece in zip(names, flats[dt].split([tensors[n].numel() for n in names])):
-            out[n] = piece.view(tensors[n].shape).clone()
-    return dict(sorted(out.items()))
+        flats = {dt: torch.cat([tensors[n].detach().reshape(-1) for n in names]) for dt, names in groups.items()}
+    shapes = {n: t.shape for n, t in tensors.items()}
+
+    def result() -> dict[str, torch.Tensor]:
+        if done is not None:
+            done.synchronize()
+        out = {}
+        for dt, names in groups.items():
+            for n, piece in zip(names, flats[dt].split([shapes[n].numel() for n in names])):
+                out[n] = piece.view(shapes[n])
+        return out
+
+    return result
+
+
+_STATE_KEYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def adapter_state(student) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under the names PEFT saves them (what PeftModel.from_pretrained reads).
+    PEFT's get_peft_model_state_dict walks every module (~20 ms for a LoRA'd 360M model); the names
+    do not change while the model lives, so the walk is done once per model and later calls read the
+    same parameters under the same names."""
+    keys = _STATE_KEYS.get(student)
+    if keys is None:
+        from peft import get_peft_model_state_dict
+
+        # PEFT's "auto" looks up the base's config.json by name (a stable name here, not a path) to see
+        # whether the embeddings changed, and warns when it cannot; they only can when LoRA targets
+        # them. Not targeted: False is what "auto" resolves to, without the lookup (same tensors).
+        tm = student.peft_config["default"].target_modules
+        embeddings = isinstance(tm, str) or any(m in ("embed_tokens", "lm_head") for m in tm)  # (a regex: let PEFT decide)
+        state = get_peft_model_state_dict(student, save_embedding_layers="auto" if embeddings else False)
+        params = {(p.data_ptr(), p.shape): p for p in student.parameters()}
+        if not all((v.data_ptr(), v.shape) in params for v in state.values()):
+            return state  # (not every tensor is a parameter as it is: take PEFT's walk every time)
+        keys = _STATE_KEYS[student] = {k: params[(v.data_ptr(), v.shape)] for k, v in state.items()}
+    return {k: p.detach() for k, p in keys.items()}
+
+
+def optimizer_state(opt, named) -> dict[str, torch.Tensor]:
+    """AdamW's moments per parameter name and the step count (`__step__`), as optimizer.safetensors holds them."""
+    out, step = {}, None
+    for name, p in named:
+        st = opt.state.get(p)
+        if st:
+            out[f"{name}.exp_avg"] = st["exp_avg"]
+            out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"]
+            step = st["step"]
+    if step is not None:
+        out["__step__"] = torch.as_tensor(step, dtype=torch.float32).reshape(()).cpu()
+    return out
 
 
 def make_optimizer(o: OptimCfg, student, state_file: Path | None):
@@ -64,35 +147,23 @@ def make_optimizer(o: OptimCfg, student, state_file: Path | None):
     return opt, named
 
 
+def write_optimizer(state: dict[str, torch.Tensor], path: Path) -> None:
+    """optimizer.safetensors from `optimizer_state`'s tensors on the host."""
+    save_tensors(path, state)
+
+
 def save_optimizer(opt, named, path: Path) -> None:
-    out, step = {}, None
-    for name, p in named:
-        st = opt.state.get(p)
-        if st:
-            out[f"{name}.exp_avg"] = st["exp_avg"]
-            out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"]
-            step = st["step"]
-    out = to_cpu(out) if out else out
-    if step is not None:
-        out["__step__"] = torch.as_tensor(step, dtype=torch.float32).reshape(()).cpu()
-    write_bytes(path, save(out))
+    write_optimizer(host_copy(optimizer_state(opt, named))(), path)
 
 
-def save_adapter(student, out: Path, base_name: str) -> None:
+def write_adapter(student, state: dict[str, torch.Tensor], out: Path, base_name: str) -> None:
     """A standard PEFT adapter dir (adapter_model.safetensors + adapter_config.json, what
-    PeftModel.from_pretrained reads); the base path is a stable name so files are byte-reproducible."""
-    from peft import get_peft_model_state_dict
-
+    PeftModel.from_pretrained reads) from `adapter_state`'s tensors on the host; the base path is a
+    stable name so files are byte-reproducible."""
     pc = student.peft_config["default"]
     pc.base_model_name_or_path = base_name
     out.mkdir(parents=True, exist_ok=True)
-    # PEFT's "auto" looks up the base's config.json by name (a stable name here, not a path) to see whether
-    # the embeddings changed, and warns when it cannot; they only can when LoRA targets them. Not
-    # targeted: False is what "auto" resolves to, without the lookup (same bytes, no warning).
-    tm = pc.target_modules
-    embeddings = isinstance(tm, str) or any(m in ("embed_tokens", "lm_head") for m in tm)  # (a regex: let PEFT decide)
-    state = get_peft_model_state_dict(student, save_embedding_layers="auto" if embeddings else False)
-    write_bytes(out / "adapter_model.safetensors", save(to_cpu(state), metadata={"format": "pt"}))
+    save_tensors(out / "adapter_model.safetensors", dict(sorted(state.items())), metadata={"format": "pt"})
     pc.save_pretrained(out)
     # PEFT keeps target_modules as a set: its JSON order follows string hashing, which changes per
     # process. Sorted, the file is byte-reproducible.
@@ -102,6 +173,10 @@ def save_adapter(student, out: Path, base_name: str) -> None:
         acfg["target_modules"] = sorted(acfg["target_modules"])
     acfg["inference_mode"] = True  # what PEFT's own save_pretrained records for a saved adapter
     cfg_file.write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
+
+
+def save_adapter(student, out: Path, base_name: str) -> None:
+    write_adapter(student, host_copy(adapter_state(student))(), out, base_name)
 
 
 def merged(teacher, adapter_dir: Path, lcfg: LoraCfg):

@@ -142,8 +142,9 @@ class RuntimeCfg:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     threads: int = 0  # 0 = torch default
-    # CUDA: the captured decode step runs a torch.compile'd layer (stages/blocks/sampler.py); its
-    # fused kernels round differently from eager, so it is part of every CUDA digest. CPU: eager always
+    # CUDA: the captured decode step runs a torch.compile'd layer (stages/blocks/sampler.py) and the
+    # student's decoder layers train compiled (models.compile_layers); fused kernels round differently
+    # from eager, so it is part of every CUDA digest. CPU: eager always
     compile: bool = True
 
 

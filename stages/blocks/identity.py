@@ -63,7 +63,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           ("initial", "final", "prompts", "teacher", "teacher_adapter", "student"), "evaluate"),
     Stage("tooleval", 1, ("env.max_turns", "env.max_tokens_per_turn") + RUNTIME,
           ("policy", "policy_stage", "tasks", "student"), None),
-    Stage("probe", 1, ("lora.r", "lora.target_modules", "objective", "memory.vram_gib"), (), None),
+    # probe 2: peaks exclude what the process held on the device before the probe loaded its models
+    Stage("probe", 2, ("lora.r", "lora.target_modules", "objective", "memory.vram_gib"), (), None),
 )}
 # the training loop itself (stages/train.py) reads how many updates to run
 DRIVER_READS = {"train": ("train.updates",)}

@@ -5,11 +5,15 @@ Only the positions that predict response tokens reach the LM head, in position c
 """
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from . import models
 
 
 @dataclass
@@ -77,8 +81,25 @@ def base_of(model):
 
 
 def hidden(model, p: Packed) -> torch.Tensor:
-    """Backbone hidden states at the response-predicting positions: [n, H]."""
-    out = base_of(model).model(input_ids=p.ids, attention_mask=p.attn, use_cache=False)
+    """Backbone hidden states at the response-predicting positions: [n, H].
+
+    Layers compiled for training (models.compile_layers) run eager in eval mode (another grad mode
+    would compile again). A compilation that fails (no working Triton) falls back to the eager
+    layers for the rest of the process, with one warning."""
+    base = base_of(model)
+    compiled = getattr(base, "_opd_compiled", None)
+    eager = compiled == "training" and not getattr(model, "training", False)
+    with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
+        try:
+            out = base.model(input_ids=p.ids, attention_mask=p.attn, use_cache=False)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            if not compiled or eager:
+                raise
+            print(f"warning: runtime.compile: compiling the decoder layers failed ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:160]}); running them eager (runtime.compile=false skips the "
+                  "attempt)", file=sys.stderr)
+            models.uncompile_layers(model)
+            out = base.model(input_ids=p.ids, attention_mask=p.attn, use_cache=False)
     return out.last_hidden_state[p.rows, p.cols]
 
 

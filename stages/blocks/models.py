@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import json
 import warnings
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -249,6 +250,32 @@ def enable_activation_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
+def compile_layers(model, training: bool) -> None:
+    """torch.compile each decoder layer in place (regional compilation): one compilation, with
+    dynamic batch and length, serves every layer and step (docs/architecture.md, "the update").
+    The eager forward is bound by the host launching ~30 small kernels per layer (RMSNorm, rotary,
+    SiLU, LoRA's casts and scales) and more in the backward; compiled, they fuse into a few.
+    training=True (the student): compiled in training mode only, eval-mode forwards (evaluation,
+    the teacher under shared_backbone) run eager rather than compile again; training=False (the
+    teacher): the no-grad scoring forward."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.__dict__["_opd_compiled"] = "training" if training else "inference"
+    for layer in base.model.layers:
+        layer.compile(dynamic=True)
+
+
+def uncompile_layers(model) -> None:
+    """Back to the eager layers (the fallback when compilation fails): nn.Module.compile keeps the
+    compiled call in `_compiled_call_impl`, and a module without one runs its plain forward."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.__dict__.pop("_opd_compiled", None)
+    for layer in base.model.layers:
+        layer._compiled_call_impl = None
+
+
 def add_lora(model, lcfg: LoraCfg, seed: int):
     from peft import LoraConfig, get_peft_model
 
@@ -271,6 +298,33 @@ def load_lora(peft_model, adapter_dir: Path) -> None:
     bad = [k for k in res.unexpected_keys if "lora_" in k]
     if bad:
         raise UserError(f"{adapter_dir}: adapter keys do not match the model ({bad[0]})")
+
+
+_MODULES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def set_training(model, on: bool) -> None:
+    """model.train(on), without nn.Module.train's walk and checked __setattr__ per module: a
+    LoRA'd SmolLM2-360M has 2,665 modules, and train() + eval() around every update cost ~8 ms
+    of host time (~60 ms while the publish thread held the interpreter). The module list is taken
+    once per model (adding LoRA or pruning layers makes a new model object or happens before).
+    A module whose train() does more than set the flag (DoRA's, transformers' with kernels) gets
+    the real call."""
+    if model not in _MODULES:
+        from transformers import PreTrainedModel
+
+        mods = list(model.modules())
+        plain = all(type(m).train is torch.nn.Module.train or (type(m).train is PreTrainedModel.train
+                                                                and not getattr(m, "use_kernels", False)) for m in mods)
+        # (the model itself is not in its cached list: a weak key its own value refers to never dies)
+        _MODULES[model] = mods[1:] if plain else None
+    mods = _MODULES[model]
+    if mods is None:
+        model.train(on)
+        return
+    model.__dict__["training"] = on
+    for m in mods:
+        m.__dict__["training"] = on
 
 
 def trainable(peft_model) -> list[tuple[str, torch.nn.Parameter]]:

@@ -51,14 +51,17 @@ def file_hash(path: str | os.PathLike) -> str:
 _WRITTEN: dict[str, tuple[int, int, int, str]] = {}
 
 
-def write_bytes(path: str | os.PathLike, data) -> None:
-    """Write `data` (bytes-like) to `path`, hashing it from memory in the same call."""
+def write_bytes(path: str | os.PathLike, *parts) -> None:
+    """Write `parts` (bytes-like, one after another) to `path`, hashing them from memory in the same call."""
+    h = xxhash.xxh3_128()
     with open(path, "wb") as f:
-        f.write(data)
+        for data in parts:
+            f.write(data)
+            h.update(data)
     st = os.stat(path)
     if len(_WRITTEN) > 10_000:  # run-view files are never sealed: bound what they leave behind
         _WRITTEN.clear()
-    _WRITTEN[os.fspath(path)] = (st.st_size, st.st_mtime_ns, st.st_ino, xxhash.xxh3_128_hexdigest(data))
+    _WRITTEN[os.fspath(path)] = (st.st_size, st.st_mtime_ns, st.st_ino, h.hexdigest())
 
 
 def written_hash(path: Path) -> str:

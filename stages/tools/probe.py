@@ -46,6 +46,9 @@ def run(cfg, est: dict) -> dict:
 
 
 def measure(cfg, est: dict) -> dict:
+    # what this process already holds on the device before the probe loads anything (nothing under
+    # `opd plan --probe`; an earlier probe's models in a longer-lived process) is not this run's
+    held = torch.cuda.memory_allocated()
     sess = train.session(cfg, placement=est["placement"]["chosen"])
     w = est["workload"]
     B, P, N, V, k = w["sequences"], w["prompt_tokens"], w["new_tokens"], w["vocab"], cfg.objective.topk
@@ -96,5 +99,8 @@ def measure(cfg, est: dict) -> dict:
         update.loss_and_backward(sess, student, p, torch.zeros(n, device=sess.device), sc, adv,
                                  chunk=cfg.train.chunk)  # forward + backward; no optimizer step
     student.eval()
+    for rec in phases.values():
+        rec["peak_allocated_gib"] = round(rec["peak_allocated_gib"] - held / 2**30, 4)
     return {"device": torch.cuda.get_device_name(), "phases": phases, "optimizer_updates": 0,
+            "held_before_gib": round(held / 2**30, 4),
             "tokens": {"prompt": P, "new": N, "sequences": B, "positions": n}}

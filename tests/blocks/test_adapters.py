@@ -27,3 +27,98 @@ def test_optimizer_file_is_hashed_as_written_and_equals_save_file(tmp_path, monk
     # the hash recorded while writing is the file's hash, and sealing takes it without reading the file
     monkeypatch.setattr(store, "file_hash", no_reread)
     assert store.written_hash(path) == xxhash.xxh3_128_hexdigest(ref.read_bytes())
+
+
+def _random_tensors(g: torch.Generator) -> dict:
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool,
+              torch.float64, torch.int8, torch.int16]
+    out = {}
+    for i in range(int(torch.randint(0, 12, (), generator=g))):
+        dt = dtypes[int(torch.randint(0, len(dtypes), (), generator=g))]
+        shape = [int(x) for x in torch.randint(0, 4, (int(torch.randint(0, 4, (), generator=g)),), generator=g)]
+        t = (torch.randn(shape, generator=g) * 100).to(dt)
+        out[f"layer.{int(torch.randint(0, 30, (), generator=g))}.w{i}"] = t
+    return out
+
+
+def test_save_tensors_writes_the_bytes_safetensors_writes(tmp_path):
+    """Own writer (no serialised copy held under the interpreter lock), safetensors' format byte for
+    byte: dtype order, name order, header padding, metadata, 0-d and empty tensors, an empty file."""
+    from safetensors.torch import load_file, save
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        ts = _random_tensors(g)
+        meta = {"format": "pt"} if trial % 2 else None
+        path = tmp_path / f"{trial}.safetensors"
+        adapters.save_tensors(path, ts, metadata=meta)
+        assert path.read_bytes() == save(ts, metadata=meta), trial
+        back = load_file(path)
+        assert all(torch.equal(back[n], t) for n, t in ts.items())
+        assert store.written_hash(path) == xxhash.xxh3_128_hexdigest(path.read_bytes())
+
+
+def test_host_copy_is_a_snapshot_of_the_values_when_called():
+    a, b, c = torch.randn(3, 2), torch.randn(5), torch.arange(4)
+    want = {"a": a.clone(), "b": b.clone(), "c": c.clone()}
+    later = adapters.host_copy({"a": a, "b": b, "c": c})
+    a.add_(1.0)  # what an optimizer step does to the live tensors after the snapshot
+    c.mul_(3)
+    got = later()
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    assert got["a"].shape == (3, 2) and got["c"].dtype == torch.int64
+
+
+def test_adapter_state_names_and_values_are_peft_s_and_follow_the_live_parameters(tmp_path):
+    from peft import get_peft_model_state_dict
+
+    from stages.blocks import models
+    from stages.blocks.config import LoraCfg
+    from engine_models import tiny
+
+    student = models.add_lora(tiny(), LoraCfg(), 0)
+    ref = get_peft_model_state_dict(student, save_embedding_layers=False)
+    got = adapters.adapter_state(student)
+    assert list(got) == list(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    with torch.no_grad():  # a training step changes the parameters in place: the cached names read them
+        for _, p in models.trainable(student):
+            p.add_(0.5)
+    ref, got = get_peft_model_state_dict(student, save_embedding_layers=False), adapters.adapter_state(student)
+    assert list(got) == list(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    # and the adapter dir written from a snapshot is the one PEFT's own walk gives
+    adapters.save_adapter(student, tmp_path / "a", "opd-store/model/x")
+    from safetensors.torch import save
+    assert (tmp_path / "a" / "adapter_model.safetensors").read_bytes() == \
+        save({k: v.contiguous() for k, v in sorted(ref.items())}, metadata={"format": "pt"})
+
+
+def test_set_training_matches_module_train():
+    from stages.blocks import models
+    from stages.blocks.config import LoraCfg
+    from engine_models import tiny
+
+    student = models.add_lora(tiny(), LoraCfg(dropout=0.1), 0)
+    for on in (True, False, True):
+        models.set_training(student, on)
+        assert all(m.training is on for m in student.modules())
+    student.train(False)
+    assert not any(m.training for m in student.modules())
+
+
+def test_per_model_caches_do_not_keep_a_model_alive():
+    """set_training and adapter_state cache per model (weak keys): a dropped model is freed, its
+    device memory with it (a session's models must not outlive it)."""
+    import gc
+    import weakref
+
+    from stages.blocks import models
+    from stages.blocks.config import LoraCfg
+    from engine_models import tiny
+
+    student = models.add_lora(tiny(), LoraCfg(), 0)
+    models.set_training(student, True)
+    adapters.adapter_state(student)
+    alive = weakref.ref(student)
+    del student
+    gc.collect()
+    assert alive() is None

@@ -92,3 +92,54 @@ def test_sampling_reproducible_with_graphs():
     a = eng.generate(PROMPTS, 16, eos=2, pad=2, seed=11)
     b = eng.generate(PROMPTS, 16, eos=2, pad=2, seed=11)
     assert torch.equal(a.tokens, b.tokens)
+
+
+def test_compiled_update_layers_match_eager_fp32():
+    """runtime.compile's training layers (models.compile_layers): hidden states and LoRA gradients
+    as eager computes them (fp32, TF32 off: fused kernels change only the rounding), for three
+    lengths and batch sizes with one compilation (dynamic shapes), and eager again in eval mode."""
+    from stages.blocks import models
+    from stages.blocks.config import LoraCfg
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch._dynamo.utils.counters.clear()
+    built = []
+    for _ in range(2):
+        s = models.add_lora(tiny(initializer_range=0.05), LoraCfg(r=4, alpha=8), 3).to("cuda")
+        with torch.no_grad():
+            for _, p in models.trainable(s):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to("cuda") * 0.05)
+        built.append(s)
+    eager, comp = built
+    models.compile_layers(comp, training=True)
+    for B, L in ((3, 20), (4, 27), (2, 33)):
+        ids = torch.randint(5, 200, (B, L), generator=torch.Generator().manual_seed(L)).cuda()
+        attn = torch.ones(B, L, dtype=torch.long, device="cuda")
+        attn[0, :4] = 0  # a left-padded row
+        r = torch.randn(B, L, eager.config.hidden_size, generator=torch.Generator().manual_seed(B)).cuda()
+        got = []
+        for m in (eager, comp):
+            models.set_training(m, True)
+            m.zero_grad(set_to_none=True)
+            h = lmhead.base_of(m).model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+            (h * r).sum().backward()
+            got.append((h.detach(), [p.grad for _, p in models.trainable(m)]))
+        (he, ge), (hc, gc) = got
+        assert (he - hc).abs().max() <= 1e-4 * he.abs().max()
+        for a, b in zip(ge, gc):
+            assert (a - b).abs().max() <= 1e-3 * a.abs().max()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs <= 2  # forward + backward, all shapes
+    # eval mode (evaluation): the student's layers run eager, nothing compiles again
+    p = lmhead.pack([[1, 5, 6, 9], [1, 7]], [[7, 8, 9], [4]], [[1, 1, 1], [1]], pad=0, device="cuda")
+    with torch.no_grad():
+        for m in (eager, comp):
+            models.set_training(m, False)
+        assert torch.equal(lmhead.hidden(comp, p), lmhead.hidden(eager, p))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    # a teacher's layers compiled for the no-grad scoring forward
+    teacher, ref = tiny(initializer_range=0.05).cuda(), tiny(initializer_range=0.05).cuda()
+    models.compile_layers(teacher, training=False)
+    with torch.no_grad():
+        a, b = lmhead.hidden(ref, p), lmhead.hidden(teacher, p)
+    assert (a - b).abs().max() <= 1e-4 * a.abs().max()

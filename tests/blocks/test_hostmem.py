@@ -1,0 +1,54 @@
+"""Host memory kept for reuse (stages/blocks/hostmem.py): set on import of `stages` under glibc, so a
+freed large tensor's memory stays in the process's heap (free, ready for the next one) instead of
+going back to the kernel; OPD_MALLOC=default and a user's own MALLOC_* settings opt out. (Whether
+the kernel later reclaims idle pages is its business: malloc's own accounting is what is checked.)"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from support import ROOT
+
+PROBE = r"""
+import ctypes, json
+import stages
+from stages.blocks import hostmem
+import torch
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+x = torch.ones(6_000_000)  # 24 MB
+mapped = libc.mallinfo2().hblkhd  # bytes in mmap'd blocks while it lives
+del x
+print(json.dumps({"applied": hostmem._applied, "mapped_while_alive": mapped, "free_in_heap": libc.mallinfo2().fordblks}))
+"""
+
+
+def _probe(**env) -> dict:
+    e = {k: v for k, v in os.environ.items() if k not in ("OPD_MALLOC", "MALLOC_MMAP_THRESHOLD_",
+                                                          "MALLOC_TRIM_THRESHOLD_")}
+    r = subprocess.run([sys.executable, "-c", PROBE], env={**e, **env, "PYTHONPATH": str(ROOT)},
+                       capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and mallinfo2")
+def test_a_freed_large_tensor_stays_in_the_heap():
+    kept, default = _probe(), _probe(OPD_MALLOC="default")
+    assert kept["applied"] == {"M_MMAP_THRESHOLD": 1 << 30, "M_TRIM_THRESHOLD": 2**31 - 1}
+    # kept: served from the heap, and once freed its 24 MB stay there as free heap
+    assert kept["mapped_while_alive"] < 24_000_000 <= kept["free_in_heap"], kept
+    # glibc's default: a fresh mmap, unmapped on free (the next one faults its pages in again)
+    assert default["applied"] is None
+    assert default["mapped_while_alive"] >= 24_000_000 > default["free_in_heap"], default
+
+
+def test_a_users_own_malloc_setting_is_kept():
+    assert _probe(MALLOC_TRIM_THRESHOLD_="1000000")["applied"] is None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .blocks import adapters, identity, memory, models, plan, reproducible, sampler
+from .blocks import adapters, hostmem, identity, memory, models, plan, reproducible, sampler
 from .blocks.config import Config, logit_temperature
 from .blocks.errors import UserError
 from .blocks.store import Store, link, seed_of, write_json
@@ -273,7 +273,11 @@ def phase(device: torch.device, record: dict, tokens: int = 0):
         record["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 4)
         record["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 4)
     else:
+        # the resident set includes memory earlier phases freed and the process keeps for reuse
+        # (stages/blocks/hostmem.py); how much of it is free heap now is recorded beside it
         record["peak_rss_gib"] = round(_rss_peak() / 2**30, 4)
+        if (free := hostmem.free_heap_bytes()) is not None:
+            record["heap_free_gib"] = round(free / 2**30, 4)
     dt = time.perf_counter() - t0
     record["wall_s"] = round(dt, 4)
     if box["tokens"]:

@@ -9,7 +9,9 @@ that was about a quarter of our whole CPU step: 0.146 -> 0.112 s per update, med
 alternating runs each (`benchmarks/results/2026-12-01-hostmem-ab.md`).
 
 So the process serves every block from its heap and keeps what it frees: the resident set stays at
-its peak instead of shrinking between steps (the peak itself does not grow). Nothing computed
+its peak instead of shrinking between steps (the peak itself does not grow). A phase's peak RSS
+(`session.phase` on CPU) therefore includes memory an earlier phase freed and the process kept;
+`heap_free_gib` beside it says how much of the resident set is such free heap at the phase's end. Nothing computed
 changes: torch aligns its CPU buffers to 64 bytes whichever way malloc serves them, and MKL runs in
 strict reproducibility mode (`reproducible.py`), whose results do not depend on alignment anyway.
 A user's own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ is kept, and OPD_MALLOC=default leaves
@@ -47,3 +49,26 @@ def keep_freed_memory() -> dict | None:
     done = {name: value for name, (param, value) in KEEP.items() if mallopt(param, value) == 1}
     _applied = done or None
     return _applied
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def mallinfo() -> dict | None:
+    """glibc's own accounting of the main arena (mallinfo2, glibc >= 2.33), else None. `fordblks`:
+    free bytes held for reuse; `hblkhd`: bytes in blocks served by mmap."""
+    try:
+        f = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    f.restype = _MallInfo2
+    info = f()
+    return {name: int(getattr(info, name)) for name, _ in _MallInfo2._fields_}
+
+
+def free_heap_bytes() -> int | None:
+    """Free bytes malloc holds in its heap for reuse, or None where it cannot say."""
+    info = mallinfo()
+    return None if info is None else info["fordblks"]

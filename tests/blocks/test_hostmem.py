@@ -14,20 +14,15 @@ import pytest
 from support import ROOT
 
 PROBE = r"""
-import ctypes, json
+import json
 import stages
 from stages.blocks import hostmem
 import torch
 
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
 x = torch.ones(6_000_000)  # 24 MB
-mapped = libc.mallinfo2().hblkhd  # bytes in mmap'd blocks while it lives
+mapped = hostmem.mallinfo()["hblkhd"]  # bytes in mmap'd blocks while it lives
 del x
-print(json.dumps({"applied": hostmem._applied, "mapped_while_alive": mapped, "free_in_heap": libc.mallinfo2().fordblks}))
+print(json.dumps({"applied": hostmem._applied, "mapped_while_alive": mapped, "free_in_heap": hostmem.free_heap_bytes()}))
 """
 
 

@@ -223,6 +223,8 @@ class Chain:
             s["rollout"].pop("cuda_graphs")  # graphs replay the same kernels: not part of identity
             s.update(step=k, runtime=self.runtime())
             s.update(quant(c, "student"))
+            if c.student.quant == "nf4":  # sampled by the engine from a dense copy (no longer transformers')
+                s["engine"] = "nf4-dequantized"
             inputs = {"policy": self.policy(k - 1), "prompts": self.prepared["prompts"],
                       "student": self.prepared["student"]}
             if c.env.name:  # multi-turn episodes: keys added only here, single-turn digests unchanged

@@ -46,8 +46,9 @@ class Ctx:
 
     @property
     def engine(self) -> bool:
-        """The fast rollout engine runs (merged LoRA copy, static KV cache) or the transformers fallback."""
-        return self.S.model_type in ENGINE_TYPES and self.cfg.student.quant == "none"
+        """The fast rollout engine runs (merged LoRA copy, static KV cache; an NF4 base from a dense copy)
+        or the transformers fallback (int8)."""
+        return self.S.model_type in ENGINE_TYPES and self.cfg.student.quant in ("none", "nf4")
 
 
 def workload(x: Ctx) -> dict:
@@ -93,8 +94,9 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     kv = 2 * S.layers * B * S.kv_heads * L * S.head_dim * s
     pick = B * V * (s + 16 + (21 if cfg.rollout.top_p < 1 else 0))  # head output + fp32 logits/logp/probs/cdf
     gqa = 2 * B * S.heads * L * S.head_dim * s if S.heads != S.kv_heads else 0  # math SDPA repeats k/v
-    eng = [("student", "rollout engine weights (fused q/k/v, gate/up; merged LoRA)",
-            engine_copy_bytes(S, cfg.lora, s), False)] if x.engine else []
+    eng = [("student", "rollout engine weights (fused q/k/v, gate/up; merged LoRA"
+            + ("; every projection dequantized from NF4)" if sq == "nf4" else ")"),
+            engine_copy_bytes(S, cfg.lora, s, dense=sq == "nf4"), False)] if x.engine else []
     if x.engine and w["cuda_graphs"]:  # the captured decode step keeps its static state and pool
         eng.append(("student", f"captured decode graph: static KV cache [{S.layers}, {B}, {S.kv_heads}, {L}, "
                     f"{S.head_dim}] x2 + pool", kv + pick + gqa + B * (2 * S.hidden + 3 * S.inter) * s, False))

@@ -214,7 +214,9 @@ def estimate(cfg, shapes: dict | None = None) -> dict:
                             "tied_embeddings": sh.tied, "params": sh.params(), "quant": m.quant,
                             "weights_gib": _gib(weight_bytes(sh, m.quant, getattr(m, "double_quant", False), x.s))}
     models_out["student"]["lora_params"] = lora_params(x.S, cfg.lora)
-    models_out["student"]["rollout_engine"] = "fast (merged LoRA)" if x.engine else "transformers fallback"
+    models_out["student"]["rollout_engine"] = ("transformers fallback" if not x.engine else
+                                               "fast (dense copy of the NF4 base, merged LoRA)"
+                                               if cfg.student.quant == "nf4" else "fast (merged LoRA)")
     placements = {}
     for p, r in ev.items():
         if "refused" in r:

@@ -4,8 +4,12 @@ of the decode step, so no per-token Python dispatch remains. The same code runs 
 The decoder below is a compact functional re-statement of the Llama-family forward (Llama,
 SmolLM2, Qwen2, Qwen3) over plain weight tensors, mirroring transformers' numerics (fp32 RMSNorm,
 fp32 rotary tables cast to the compute dtype). The LoRA is merged into these sampling weights once
-per policy version when the base is not quantized; a quantized base or an unsupported architecture
-uses `hf_generate` (transformers forward, LoRA unmerged) with a one-line warning.
+per policy version. An NF4 base (QLoRA) is sampled from a dense copy of its weights, dequantized
+exactly as its own forward dequantizes them (bitsandbytes `dequantize_4bit`), LoRA merged: the
+engine's speed for the cost of one dense copy of the student. An int8 base (LLM.int8 quantizes the
+activations too, so dequantized weights would not sample what its forward computes) or an
+unsupported architecture uses `hf_generate` (transformers forward, LoRA unmerged) with a one-line
+warning.
 
 Sampling draws one uniform per (step, sequence) up front from a generator seeded by the stage
 digest and inverts the CDF of the tempered distribution, so sampling is reproducible exactly and
@@ -44,15 +48,34 @@ def supported(model) -> str | None:
     mtype = getattr(base.config, "model_type", "?")
     if mtype not in SUPPORTED:
         return f"architecture {mtype!r} has no fast decode path"
-    if getattr(base, "is_quantized", False) or getattr(base, "hf_quantizer", None) is not None:
-        return "quantized base (LoRA runs unmerged through transformers)"
+    if (getattr(base, "is_quantized", False) or getattr(base, "hf_quantizer", None) is not None) and \
+            not all(_nf4(m) for n, m in base.model.layers.named_modules()
+                    if isinstance(m, torch.nn.Linear) and "lora_" not in n):
+        return "int8 base (LLM.int8 quantizes activations too; LoRA runs unmerged through transformers)"
     return None
+
+
+def _nf4(lin) -> bool:
+    """A bitsandbytes 4-bit Linear (its weight carries a quant_state), or a PEFT LoRA around one."""
+    lin = getattr(lin, "base_layer", lin)
+    return getattr(lin.weight, "quant_state", None) is not None
+
+
+def _dense(lin) -> torch.Tensor:
+    """A Linear's base weight [out, in] as a dense tensor: bitsandbytes NF4 dequantized the way its
+    own forward dequantizes it (the quant state's compute dtype), anything else as it is."""
+    w = lin.weight
+    if getattr(w, "quant_state", None) is not None:
+        import bitsandbytes.functional as bnbf  # (only an NF4 base gets here: bitsandbytes is installed)
+
+        return bnbf.dequantize_4bit(w.data, w.quant_state)
+    return w
 
 
 def _weight(lin, dtype) -> torch.Tensor:
     """Weight of a Linear, with any active PEFT LoRA delta merged in (fp32 math, one rounding)."""
     if hasattr(lin, "base_layer"):
-        w = lin.base_layer.weight.float()
+        w = _dense(lin.base_layer).float()
         if not getattr(lin, "disable_adapters", False):
             for name in lin.active_adapters:
                 if name not in lin.lora_A:
@@ -63,7 +86,7 @@ def _weight(lin, dtype) -> torch.Tensor:
                     w = torch.addmm(w, lin.lora_B[name].weight.float(), lin.lora_A[name].weight.float(),
                                     alpha=lin.scaling[name])
         return w.to(dtype).contiguous()
-    return lin.weight.to(dtype)
+    return _dense(lin).to(dtype)
 
 
 def _bias(lin):

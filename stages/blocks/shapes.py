@@ -238,11 +238,12 @@ def lora_params(sh: Shape, lora) -> int:
 FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
-def engine_copy_bytes(sh: Shape, lora, s: int) -> int:
+def engine_copy_bytes(sh: Shape, lora, s: int, dense: bool = False) -> int:
     """The engine's own weights: q/k/v and gate/up fused (always a copy) plus a merged (base + LoRA
-    delta) copy of o_proj/down_proj/lm_head where LoRA targets them; the rest is shared, not copied."""
+    delta) copy of o_proj/down_proj/lm_head where LoRA targets them; the rest is shared, not copied.
+    dense: an NF4 base, every projection dequantized into a copy (the head is never quantized)."""
     tg, proj = targets(sh, lora), sh.proj()
-    n = sh.layers * sum(i * o for name, (i, o) in proj.items() if name in FUSED or name in tg)
+    n = sh.layers * sum(i * o for name, (i, o) in proj.items() if dense or name in FUSED or name in tg)
     return (n + (sh.vocab * sh.hidden if "lm_head" in tg else 0)) * s
 
 

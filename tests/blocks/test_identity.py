@@ -21,14 +21,15 @@ ENV = ["env.name=calculator", "sft.steps=2", "sft.teacher_steps=2", "teacher_mod
 
 # Digests of a fixed config and prepare record. A change here changes every stored result's address:
 # it must be a deliberate identity change (a version bump, a new key), never a side effect of a refactor.
+# ("env" holds an NF4 student: its rollouts moved to the engine's dense copy, `engine` in their slice.)
 PINNED = {
     "plain": {"policy0": "e8a4fa1612a21b72682aad1b6e13887c", "rollout2": "cf04b8556e15beec20d215e32ddebb8d",
               "score2": "cfe0f693d9398b56889ea405d79e64f0", "update2": "e3211fc7e577b6e44adb44fb867ad3d8",
               "evaluate": "93cc68e35f03835770102203c75edc4b", "prompts": "b791100a50953b5ceda608ff9593e2ec",
               "prepared": "14dfc67f5427a8a485b289dbdfd62eb0"},
-    "env": {"policy0": "f68ebb180db658195f45721a5d3a5595", "rollout2": "3424d80d14980e6eb00d51e28e8afc65",
-            "score2": "8f4edb9d7eeecbf99dd394647b7ae755", "update2": "ed6b61df4a400b63fac48a697022f74c",
-            "evaluate": "bbd097b24b0c340ae46339d1b96fd41b", "tooleval": "082f228505e7a81aac4732ed2a11aaba",
+    "env": {"policy0": "f68ebb180db658195f45721a5d3a5595", "rollout2": "fe446abae07723efec9225bd854a42f6",
+            "score2": "152dc1e4f19c740fbee4d171a778317d", "update2": "5a6701ca55ecca67b12b02c80e3c5bff",
+            "evaluate": "85196b43bb7a3595635a3f82dc6071d1", "tooleval": "fc1c2c0e334290d74e9e3bed659c700d",
             "tasks_test": "526c6c7b0224df8976d2c9683838ac2d"},
 }
 

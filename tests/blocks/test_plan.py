@@ -134,9 +134,17 @@ def test_totals_are_the_sum_of_their_items():
             held = sum(i["bytes"] for i in ph["items"] if not i["one_at_a_time"])
             alt = max((i["bytes"] for i in ph["items"] if i["one_at_a_time"]), default=0)
             assert ph["total_gib"] == round((held + alt) / GIB, 4)  # integer bytes, the plan's own rounding
-    # quantized student: no merged copy, transformers fallback with its prompt logits
-    assert est["models"]["student"]["rollout_engine"] == "transformers fallback"
-    assert item(est, "rollout", "prefill logits") == 4 * 128 * 49152 * 2
+    # NF4 student: the engine samples from a dense copy of every projection (more than bf16's fused copies)
+    assert est["models"]["student"]["rollout_engine"] == "fast (dense copy of the NF4 base, merged LoRA)"
+    # (with LoRA on all 7 projections bf16 copies them all too; with fewer, bf16 shares o/down, NF4 cannot)
+    few = "lora.target_modules=[q_proj,v_proj]"
+    nf4, plain = plan.estimate(cfg(*SEED, few, "student.quant=nf4")), plan.estimate(cfg(*SEED, few))
+    assert item(nf4, "rollout", "rollout engine weights") == item(est, "rollout", "rollout engine weights") > \
+        item(plain, "rollout", "rollout engine weights")
+    # int8 student: no copy, transformers fallback with its prompt logits
+    i8 = plan.estimate(cfg(*SEED, "student.quant=int8"))
+    assert i8["models"]["student"]["rollout_engine"] == "transformers fallback"
+    assert item(i8, "rollout", "prefill logits") == 4 * 128 * 49152 * 2
 
 
 def test_activation_formula_matches_autograd_saved_tensors():

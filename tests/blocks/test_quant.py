@@ -33,7 +33,8 @@ def test_quantized_lora_update_changes_the_adapter_with_finite_loss(work, over):
     changed = {n for n in init if not torch.equal(init[n], after[n])}
     # step 1 starts from B = 0, so A's gradient (through B) is zero: every B moves, A waits a step
     assert changed == {n for n in init if "lora_B" in n} and len(changed) == 14
-    assert sess.engine() is None  # a quantized student samples through the transformers fallback
+    # NF4 samples with the engine from a dense copy; int8 (LLM.int8 quantizes activations) through transformers
+    assert (sess.engine() is not None) == ("student.quant=nf4" in over)
     q = sess.student().get_base_model().model.layers[0].self_attn.q_proj.base_layer
     assert type(q).__name__ == ("Linear4bit" if "student.quant=nf4" in over else "Linear8bitLt")
     sc = json.loads((sess.store.path("score", sess.score_digest(1)) / "state.json").read_text())
@@ -85,6 +86,47 @@ def test_nf4_lora_gradients_equal_the_dequantized_models(work, seed):
         assert torch.equal(got[n], want[n]), n
     first = [n for n in want if "layers.0.self_attn.q_proj.lora_A" in n][0]
     assert want[first].norm() > 0.1  # the earliest adapter gets its gradient through the 4-bit base
+
+
+def test_nf4_student_samples_with_the_engine_as_transformers_would(work):
+    """The engine's dense copy of an NF4 base samples what the QLoRA model computes: greedy tokens
+    equal transformers' greedy decoding of the 4-bit model (LoRA unmerged there), and sampled
+    log-probs equal a teacher-forced recompute through the 4-bit forward (fp32 on CPU: the dequantized
+    weights are the very numbers bitsandbytes' forward multiplies with)."""
+    from stages.blocks import sampler
+
+    sess = session(work)
+    base = models.load(sess.model_dir("student"), ModelCfg(quant="nf4"), torch.device("cpu"), torch.float32)
+    s = models.add_lora(base, LoraCfg(r=4, alpha=8), 1)
+    with torch.no_grad():  # a non-trivial adapter: merging it must matter
+        g = torch.Generator().manual_seed(0)
+        for n, p in s.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    eng = sampler.make(s, use_graphs=False)
+    assert eng is not None
+    prompts = [[1, 500, 600, 700, 800], [1, 42], [1, 9000, 9001, 9002]]
+    got = eng.generate(prompts, 10, eos=-1, pad=2, seed=0, greedy=True)
+    ref = sampler.hf_generate(s, prompts, 10, eos=-1, pad=2, seed=0, greedy=True)
+    assert torch.equal(got.tokens, ref.tokens)
+    out = eng.generate(prompts, 10, eos=-1, pad=2, seed=3)
+    resp = [out.tokens[b].tolist() for b in range(len(prompts))]
+    p = lmhead.pack(prompts, resp, [[1] * len(r) for r in resp], 2, "cpu")
+    with torch.no_grad():
+        lp, *_ = lmhead.score_positions(lmhead.hidden(s, p), lmhead.head_weight(s), p.targets, 64, 0,
+                                        want_topk=False)
+    # fp32, ~1e-5 per logit from summation order (merged LoRA vs its separate branch, the functional
+    # decoder vs transformers'), log-softmax over 49k entries: well inside 1e-3
+    assert (lp - out.logprobs.reshape(-1)).abs().max() < 1e-3
+
+
+def test_int8_student_keeps_the_transformers_fallback(work, capsys):
+    from stages.blocks import sampler
+
+    sess = session(work)
+    base = models.load(sess.model_dir("student"), ModelCfg(quant="int8"), torch.device("cpu"), torch.float32)
+    assert sampler.make(models.add_lora(base, LoraCfg(r=4, alpha=8), 1), use_graphs=False) is None
+    assert "int8 base" in capsys.readouterr().err
 
 
 def test_quant_joins_the_digests_it_changes(work):

@@ -250,6 +250,19 @@ def enable_activation_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
+def compile_settings() -> None:
+    """What every torch.compile of ours runs under. Inductor's deterministic mode: without it,
+    Inductor benchmarks candidate reduction configs (block size, warps) on the device at the first
+    call of each kernel and keeps the fastest, so two processes can sum in different orders and
+    publish different bytes (seen on the H200: a replay at another path differed). Recompile limit:
+    a run with several shapes (prompt buckets, evaluation's models) outgrows dynamo's default of 8."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._inductor.config.deterministic = True
+
+
 def compile_layers(model, training: bool) -> None:
     """torch.compile each decoder layer in place (regional compilation): one compilation, with
     dynamic batch and length, serves every layer and step (docs/architecture.md, "the update").
@@ -258,9 +271,7 @@ def compile_layers(model, training: bool) -> None:
     training=True (the student): compiled in training mode only, eval-mode forwards (evaluation,
     the teacher under shared_backbone) run eager rather than compile again; training=False (the
     teacher): the no-grad scoring forward."""
-    import torch._dynamo
-
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    compile_settings()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.__dict__["_opd_compiled"] = "training" if training else "inference"
     for layer in base.model.layers:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import models
 from .lmhead import to_host as _to_host
 
 SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
@@ -175,12 +176,8 @@ def _compiled():
     captured CUDA graph. Compiled once per process and shape (docs/architecture.md, rollout engine)."""
     global _COMPILED
     if _COMPILED is None:
-        import torch._dynamo
-
-        # shapes are static (one compilation per batch size and cache length, like the graphs): a run
-        # with several prompt buckets plus evaluation's models outgrows dynamo's default of 8
-        torch._dynamo.config.recompile_limit = 64
-        _COMPILED = torch.compile(_layer, fullgraph=True, dynamic=False)
+        models.compile_settings()  # deterministic kernel choices; shapes are static (one compilation
+        _COMPILED = torch.compile(_layer, fullgraph=True, dynamic=False)  # per batch and cache length)
     return _COMPILED
 
 

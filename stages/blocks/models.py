@@ -254,7 +254,7 @@ def compile_settings() -> None:
     """What every torch.compile of ours runs under. Inductor's deterministic mode: without it,
     Inductor benchmarks candidate reduction configs (block size, warps) on the device at the first
     call of each kernel and keeps the fastest, so two processes can sum in different orders and
-    publish different bytes (seen on the H200: a replay at another path differed). Recompile limit:
+    publish different bytes. Recompile limit:
     a run with several shapes (prompt buckets, evaluation's models) outgrows dynamo's default of 8."""
     import torch._dynamo
     import torch._inductor.config

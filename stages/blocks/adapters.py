@@ -53,38 +53,44 @@ def host_copy(tensors: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.
     """Snapshot `tensors` now; the returned function waits for the copy and gives host tensors
     (views into one buffer per dtype: hundreds of small LoRA tensors would each be a copy).
 
-    CUDA: the snapshot is one `cat` per dtype on the current stream, in order with the kernels that
-    made the values (an optimizer step may change the originals right after: the snapshot is
-    private); it goes to pinned host memory on a side stream, and only the caller of the returned
-    function waits for that copy. A blocking `.cpu()` would wait for everything queued before it
-    and crawl through pageable memory (~26 ms per copy of adapter or moments on an H200)."""
-    groups: dict[torch.dtype, list[str]] = {}
-    for n, t in tensors.items():
-        groups.setdefault(t.dtype, []).append(n)
-    dev = next((t.device for t in tensors.values() if t.device.type == "cuda"), None)
-    flats, done = {}, None
-    if dev is not None:
-        snaps = {dt: torch.cat([tensors[n].detach().reshape(-1) for n in names]) for dt, names in groups.items()}
+    CUDA tensors: the snapshot is one `cat` per dtype on the current stream, in order with the
+    kernels that made the values (an optimizer step may change the originals right after: the
+    snapshot is private); it goes to pinned host memory on a side stream, and only the caller of
+    the returned function waits for that copy. A blocking `.cpu()` would wait for everything queued
+    before it and crawl through pageable memory (~26 ms per copy of adapter or moments on an H200).
+    Host tensors (on CPU runs, and AdamW's step count on CUDA ones) are copied right away."""
+    def groups(names) -> dict[torch.dtype, list[str]]:
+        out: dict[torch.dtype, list[str]] = {}
+        for n in names:
+            out.setdefault(tensors[n].dtype, []).append(n)
+        return out
+
+    on_dev = groups(n for n, t in tensors.items() if t.device.type == "cuda")
+    on_host = groups(n for n, t in tensors.items() if t.device.type != "cuda")
+    flat = lambda names: torch.cat([tensors[n].detach().reshape(-1) for n in names])  # noqa: E731
+    parts = [(names, flat(names)) for names in on_host.values()]
+    done = None
+    if on_dev:
+        snaps = [(names, flat(names)) for names in on_dev.values()]
         made = torch.cuda.Event()
         made.record()
-        side, done = torch.cuda.Stream(dev), torch.cuda.Event()
+        side, done = torch.cuda.Stream(snaps[0][1].device), torch.cuda.Event()
         side.wait_event(made)
         with torch.cuda.stream(side):
-            for dt, snap in snaps.items():
-                flats[dt] = torch.empty(snap.shape, dtype=dt, pin_memory=True)
-                flats[dt].copy_(snap, non_blocking=True)
+            for names, snap in snaps:
+                pinned = torch.empty(snap.shape, dtype=snap.dtype, pin_memory=True)
+                pinned.copy_(snap, non_blocking=True)
                 snap.record_stream(side)  # (its memory is reused only after the side stream read it)
+                parts.append((names, pinned))
         done.record(side)
-    else:
-        flats = {dt: torch.cat([tensors[n].detach().reshape(-1) for n in names]) for dt, names in groups.items()}
     shapes = {n: t.shape for n, t in tensors.items()}
 
     def result() -> dict[str, torch.Tensor]:
         if done is not None:
             done.synchronize()
         out = {}
-        for dt, names in groups.items():
-            for n, piece in zip(names, flats[dt].split([shapes[n].numel() for n in names])):
+        for names, buf in parts:
+            for n, piece in zip(names, buf.split([shapes[n].numel() for n in names])):
                 out[n] = piece.view(shapes[n])
         return out
 

@@ -143,3 +143,18 @@ def test_compiled_update_layers_match_eager_fp32():
     with torch.no_grad():
         a, b = lmhead.hidden(ref, p), lmhead.hidden(teacher, p)
     assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+
+
+def test_host_copy_mixes_device_and_host_tensors_and_snapshots_at_the_call():
+    """The update's snapshot on CUDA: AdamW's moments live on the device and its step count on the
+    host (same dtype: they must not be concatenated together); later in-place changes on the device
+    stream do not reach the snapshot."""
+    from stages.blocks import adapters
+
+    m = torch.randn(1000, 7, device="cuda")
+    want = m.cpu()
+    later = adapters.host_copy({"w.exp_avg": m, "__step__": torch.tensor(3.0), "b": torch.arange(5, device="cuda")})
+    m.mul_(2.0)  # queued after the snapshot, like the next optimizer step
+    got = later()
+    assert torch.equal(got["w.exp_avg"], want) and got["__step__"].item() == 3.0
+    assert torch.equal(got["b"], torch.arange(5)) and all(t.device.type == "cpu" for t in got.values())

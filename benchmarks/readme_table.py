@@ -116,6 +116,13 @@ def table(path: Path) -> str:
             line += (f"opd-stages {lo['median_update_s']} s/update (rollout {lo['median_rollout_s']} s, "
                      f"{lo['rollout_tok_per_s']} tok/s; score {lo['median_score_s']} s; update phase "
                      f"{lo['median_update_phase_s']} s; first update {lo['first_update_incl_construction_s']} s); ")
+        elif lo is not None:
+            line += f"opd-stages not measured ({_first_line(lo['error'])}); "
+        lt = _find(la.get("systems", []), "TRL")
+        if _ok(lt):
+            line += f"TRL 1.16 {lt['median_update_s']} s/update; "
+        elif lt is not None:
+            line += f"TRL not measured ({_first_line(lt['error'])}); "
         out.append(line + _miniverl_line([s for s in la.get("systems", []) if s["name"].startswith("miniVERL")],
                                          lo if _ok(lo) else None, "there"))
     return "\n".join(out)

@@ -420,10 +420,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=("a", "b", "all"), default="all")
     ap.add_argument("--peers", default="trl,miniverl")
-    ap.add_argument("--ours", default="default,eager,ckpt,nf4",
-                    help="our arms: default (the configuration as shipped: compiled decode step and layers on "
-                         "CUDA), eager (runtime.compile=false), ckpt (activation checkpointing), nf4 (NF4 student "
-                         "and teacher; bitsandbytes)")
+    ap.add_argument("--ours", default="default,layers,eager,ckpt,nf4",
+                    help="our arms: default (the configuration as shipped: compiled decode step on CUDA), "
+                         "layers (runtime.compile_layers=true: compiled decoder layers for update and score), "
+                         "eager (runtime.compile=false), ckpt (activation checkpointing), nf4 (NF4 student and "
+                         "teacher; bitsandbytes)")
     ap.add_argument("--peer-updates", type=int, default=0,
                     help="updates for miniVERL's arms (0: the workload's); medians skip the first either way")
     ap.add_argument("--miniverl-arms", default=",".join(a for a, _, _ in MINIVERL_ARMS))
@@ -480,6 +481,9 @@ def main(argv=None) -> int:
         ours_arms = args.ours.split(",")
         if "default" in ours_arms:  # first: the ratios are against it
             add(run_system(ours_pipeline, "opd-stages", deadline, 60, w, work, tok, py, args.profile))
+        if "layers" in ours_arms:  # + compiled decoder layers for update and score (opt-in: long runs)
+            add(run_system(ours_pipeline, "opd-stages-layers", deadline, 60, w, work, tok, py, None,
+                           ("runtime.compile_layers=true",), "opd-stages-layers"))
         if "eager" in ours_arms:  # the decode step without torch.compile (the fallback path)
             add(run_system(ours_pipeline, "opd-stages-eager", deadline, 45, w, work, tok, py, None,
                            ("runtime.compile=false",), "opd-stages-eager"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -56,6 +57,8 @@ class Session:
                 models.enable_activation_checkpointing(base)
             self._student = models.add_lora(base, self.cfg.lora, seed_of(self.init_digest()))
             if self.compiled_layers(self.cfg.student):
+                print("runtime.compile_layers: the student's decoder layers compile at the first update "
+                      "(about a minute on a cold compile cache)", file=sys.stderr, flush=True)
                 models.compile_layers(self._student, training=True)
         self._on_device("student")
         return self._student
@@ -201,8 +204,9 @@ class Session:
 
     def compiled_layers(self, mcfg) -> bool:
         """A model's decoder layers run compiled (the student's in training, the teacher's scoring
-        forward): CUDA with runtime.compile, an unquantized model (bitsandbytes' layers are not traced)."""
-        return self.device.type == "cuda" and self.cfg.runtime.compile and mcfg.quant == "none"
+        forward): CUDA with runtime.compile_layers, an unquantized model (bitsandbytes' layers are
+        not traced)."""
+        return self.device.type == "cuda" and self.cfg.runtime.compile_layers and mcfg.quant == "none"
 
     def runtime_slice(self) -> dict:
         s = {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch.")}

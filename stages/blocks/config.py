@@ -142,10 +142,13 @@ class RuntimeCfg:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     threads: int = 0  # 0 = torch default
-    # CUDA: the captured decode step runs a torch.compile'd layer (stages/blocks/sampler.py) and the
-    # student's decoder layers train compiled (models.compile_layers); fused kernels round differently
-    # from eager, so it is part of every CUDA digest. CPU: eager always
+    # CUDA: the captured decode step runs a torch.compile'd layer (stages/blocks/sampler.py); fused
+    # kernels round differently from eager, so it is part of every CUDA digest. CPU: eager always
     compile: bool = True
+    # CUDA: the student's decoder layers train compiled and the teacher's score compiled
+    # (models.compile_layers). Faster steps (H200, seed workload: 0.363 s/update) for a slow start
+    # (~80 s more before the first update on a cold compile cache): worth it for long runs only
+    compile_layers: bool = False
 
 
 @dataclass

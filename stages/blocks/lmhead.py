@@ -95,9 +95,9 @@ def hidden(model, p: Packed) -> torch.Tensor:
         except torch._dynamo.exc.TorchDynamoException as e:
             if not compiled or eager:
                 raise
-            print(f"warning: runtime.compile: compiling the decoder layers failed ({type(e).__name__}: "
-                  f"{str(e).splitlines()[0][:160]}); running them eager (runtime.compile=false skips the "
-                  "attempt)", file=sys.stderr)
+            print(f"warning: runtime.compile_layers: compiling the decoder layers failed ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:160]}); running them eager (runtime.compile_layers=false skips "
+                  "the attempt)", file=sys.stderr)
             models.uncompile_layers(model)
             out = base.model(input_ids=p.ids, attention_mask=p.attn, use_cache=False)
     return out.last_hidden_state[p.rows, p.cols]

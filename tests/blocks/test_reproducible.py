@@ -120,3 +120,17 @@ def test_compiled_decode_joins_cuda_identity_only(work, monkeypatch):
     assert on.compiled_decode and on.runtime_slice()["decode"] == "compiled"
     monkeypatch.setattr(on.cfg.rollout, "cuda_graphs", False)
     assert not on.compiled_decode and "decode" not in on.runtime_slice()  # eager CUDA: no compiled step
+
+
+def test_compiled_layers_join_cuda_identity_only(work, monkeypatch):
+    """runtime.compile_layers (off by default) changes CUDA bytes, never CPU ones; on CUDA it names
+    the compiled layers, and only for an unquantized model."""
+    on, off = session(work, "runtime.compile_layers=true"), session(work)
+    assert not off.cfg.runtime.compile_layers
+    assert on.runtime_slice() == off.runtime_slice() and on.update_digest(2) == off.update_digest(2)
+    for s in (on, off):
+        monkeypatch.setattr(s, "device", torch.device("cuda"))
+    assert on.runtime_slice()["layers"] == "compiled" and "layers" not in off.runtime_slice()
+    assert on.compiled_layers(on.cfg.teacher) and not off.compiled_layers(off.cfg.teacher)
+    monkeypatch.setattr(on.cfg.student, "quant", "nf4")
+    assert not on.compiled_layers(on.cfg.student) and on.compiled_layers(on.cfg.teacher)

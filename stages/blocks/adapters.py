@@ -1,9 +1,9 @@
 """LoRA adapters and their optimizer state as files: the PEFT adapter dir and optimizer.safetensors
 that init, sft and update publish, and the teacher with an SFT adapter merged in.
 
-Publishing an update is split in two (docs/architecture.md, "publishing"): the caller takes a
-snapshot right after the optimizer step (`host_copy`: one device -> host copy per dtype, queued,
-never waited for on the caller's thread), and the publish thread writes it (`write_adapter`,
+Publishing an update is split in two (docs/architecture.md, "The update and its publishing"): the
+caller takes a snapshot right after the optimizer step (`host_copy`: one device -> host copy per
+dtype, queued, never waited for on the caller's thread), and the publish thread writes it (`write_adapter`,
 `write_optimizer`). The files are safetensors byte for byte as `safetensors.torch.save` writes
 them (tests/blocks/test_adapters.py compares), but written from the snapshot's own memory by
 `save_tensors`: safetensors' serialiser copies every byte into one Python bytes object while

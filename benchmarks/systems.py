@@ -243,7 +243,7 @@ def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
     train.ensure_policy(sess, done + 1)  # warm: models resident, graphs captured
     sess.store.flush()
 
-    def step(k: int, walls: dict) -> None:  # one step as train.run runs it, each call timed
+    def step(sess, k: int, walls: dict) -> None:  # one step as train.run runs it, each call timed
         for name, fn in (("rollout", rollout.run), ("score", score.run), ("update", update.run),
                          ("flush (join the publish)", lambda s, _k: s.store.flush()),
                          ("run view", lambda s, kk: (s.link_step(kk), runview.add_step(s, kk))),
@@ -255,15 +255,15 @@ def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
     k, walls = done + 2, {}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
     with profile(activities=acts) as prof:
-        step(k, walls)
+        step(sess, k, walls)
     print(f"profiled step {k}: {walls}", flush=True)
     ka = prof.key_averages()
     cp, cp_walls = cProfile.Profile(), {}
     cp.enable()
-    step(k + 1, cp_walls)
+    step(sess, k + 1, cp_walls)
     cp.disable()
     plain: dict = {}
-    step(k + 2, plain)
+    step(sess, k + 2, plain)
     # the rollout split: prefill (+ one token) against the whole response, same prompts and engine
     from stages.blocks import batch
 

@@ -105,7 +105,7 @@ class Session:
         other = "teacher" if role == "student" else "student"
         held = self._teacher if other == "teacher" else self._student
         if held is not None and other not in self._on_host:
-            self.store.flush()  # an update still being written reads the student's tensors where they are
+            self.store.flush()  # an update still being written: its device snapshot is freed before the move
             if other == "student":
                 self._engine = None
             memory.move(held, torch.device("cpu"))

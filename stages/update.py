@@ -187,7 +187,7 @@ def run(sess: Session, k: int) -> Path:
             io["save_adapter"] = round(time.perf_counter() - t_s, 4)
             fault("update.mid", tmp)  # half-written: adapter saved, optimizer not yet
             t_s = time.perf_counter()
-            adapters.write_optimizer(moments_now(), tmp / "optimizer.safetensors")
+            adapters.save_tensors(tmp / "optimizer.safetensors", moments_now())
             io["save_optimizer"] = round(time.perf_counter() - t_s, 4)
             write_json(tmp / "state.json", state)
 

@@ -76,17 +76,13 @@ def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return out
 
 
-def base_of(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def hidden(model, p: Packed) -> torch.Tensor:
     """Backbone hidden states at the response-predicting positions: [n, H].
 
     Layers compiled for training (models.compile_layers) run eager in eval mode (another grad mode
     would compile again). A compilation that fails (no working Triton) falls back to the eager
     layers for the rest of the process, with one warning."""
-    base = base_of(model)
+    base = models.base_of(model)
     compiled = getattr(base, "_opd_compiled", None)
     eager = compiled == "training" and not getattr(model, "training", False)
     with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
@@ -104,7 +100,7 @@ def hidden(model, p: Packed) -> torch.Tensor:
 
 
 def head_weight(model) -> torch.Tensor:
-    return base_of(model).lm_head.weight
+    return models.base_of(model).lm_head.weight
 
 
 def chunks(n: int, size: int):

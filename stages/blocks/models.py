@@ -250,6 +250,11 @@ def enable_activation_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
+def base_of(model):
+    """The transformers model under a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def compile_settings() -> None:
     """What every torch.compile of ours runs under. Inductor's deterministic mode: without it,
     Inductor benchmarks candidate reduction configs (block size, warps) on the device at the first
@@ -272,7 +277,7 @@ def compile_layers(model, training: bool) -> None:
     the teacher under shared_backbone) run eager rather than compile again; training=False (the
     teacher): the no-grad scoring forward."""
     compile_settings()
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_of(model)
     base.__dict__["_opd_compiled"] = "training" if training else "inference"
     for layer in base.model.layers:
         layer.compile(dynamic=True)
@@ -281,7 +286,7 @@ def compile_layers(model, training: bool) -> None:
 def uncompile_layers(model) -> None:
     """Back to the eager layers (the fallback when compilation fails): nn.Module.compile keeps the
     compiled call in `_compiled_call_impl`, and a module without one runs its plain forward."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_of(model)
     base.__dict__.pop("_opd_compiled", None)
     for layer in base.model.layers:
         layer._compiled_call_impl = None

@@ -39,13 +39,9 @@ class Rollout:
     finished: torch.Tensor  # [B] bool, True when the sequence emitted EOS
 
 
-def _base(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def supported(model) -> str | None:
     """None if the fast path can run this model, else the reason."""
-    base = _base(model)
+    base = models.base_of(model)
     mtype = getattr(base.config, "model_type", "?")
     if mtype not in SUPPORTED:
         return f"architecture {mtype!r} has no fast decode path"
@@ -99,7 +95,7 @@ def _bias(lin):
 def sampling_weights(model) -> dict:
     """Plain tensors for the functional decoder, LoRA merged, q/k/v and gate/up concatenated so a
     decode step launches one matmul for each (fewer, larger kernels). Built once per policy version."""
-    base = _base(model)
+    base = models.base_of(model)
     inner, cfg = base.model, base.config
     dtype = inner.embed_tokens.weight.dtype
     layers = []
@@ -240,7 +236,7 @@ class Engine:
     def refresh(self, model=None) -> None:
         """New policy version: re-merge the LoRA into the sampling weights in place, one matrix at a
         time (no second copy of the weights; captured graphs keep reading the same buffers)."""
-        inner = _base(model or self.model).model
+        inner = models.base_of(model or self.model).model
         dt = self.W["dtype"]
         for layer, w in zip(inner.layers, self.W["layers"]):
             a, m = layer.self_attn, layer.mlp
@@ -376,7 +372,7 @@ def _cache_kwarg(model) -> str:
     `past_key_values` warns and goes in 5.40), `past_key_values` in the 4.x releases pyproject allows."""
     import inspect
 
-    return "cache" if "cache" in inspect.signature(_base(model).forward).parameters else "past_key_values"
+    return "cache" if "cache" in inspect.signature(models.base_of(model).forward).parameters else "past_key_values"
 
 
 def hf_generate(model, prompts, max_new, *, eos, pad, seed, temperature=1.0, top_p=1.0, greedy=False,

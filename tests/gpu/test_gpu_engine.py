@@ -121,7 +121,7 @@ def test_compiled_update_layers_match_eager_fp32():
         for m in (eager, comp):
             models.set_training(m, True)
             m.zero_grad(set_to_none=True)
-            h = lmhead.base_of(m).model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+            h = models.base_of(m).model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
             (h * r).sum().backward()
             got.append((h.detach(), [p.grad for _, p in models.trainable(m)]))
         (he, ge), (hc, gc) = got
@@ -129,7 +129,7 @@ def test_compiled_update_layers_match_eager_fp32():
         for a, b in zip(ge, gc):
             assert (a - b).abs().max() <= 1e-3 * a.abs().max()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert graphs <= 2  # forward + backward, all shapes
+    assert 1 <= graphs <= 2  # compiled at all (a silent eager fallback would equal eager too), once for all shapes
     # eval mode (evaluation): the student's layers run eager, nothing compiles again
     p = lmhead.pack([[1, 5, 6, 9], [1, 7]], [[7, 8, 9], [4]], [[1, 1, 1], [1]], pad=0, device="cuda")
     with torch.no_grad():
@@ -143,6 +143,7 @@ def test_compiled_update_layers_match_eager_fp32():
     with torch.no_grad():
         a, b = lmhead.hidden(ref, p), lmhead.hidden(teacher, p)
     assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # the teacher's did compile
 
 
 def test_host_copy_mixes_device_and_host_tensors_and_snapshots_at_the_call():

@@ -420,8 +420,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=("a", "b", "all"), default="all")
     ap.add_argument("--peers", default="trl,miniverl")
-    ap.add_argument("--ours", default="default,layers,eager,ckpt,nf4",
-                    help="our arms: default (the configuration as shipped: compiled decode step on CUDA), "
+    ap.add_argument("--ours", default="default,nographs,layers,eager,ckpt,nf4",
+                    help="our arms: default (the configuration as shipped: compiled decode step on CUDA, "
+                         "teacher-forced forwards replayed from CUDA graphs), nographs (runtime.cuda_graphs=false), "
                          "layers (runtime.compile_layers=true: compiled decoder layers for update and score), "
                          "eager (runtime.compile=false), ckpt (activation checkpointing), nf4 (NF4 student and "
                          "teacher; bitsandbytes)")
@@ -481,6 +482,9 @@ def main(argv=None) -> int:
         ours_arms = args.ours.split(",")
         if "default" in ours_arms:  # first: the ratios are against it
             add(run_system(ours_pipeline, "opd-stages", deadline, 60, w, work, tok, py, args.profile))
+        if "nographs" in ours_arms:  # score and update forwards eager (what the graphs save)
+            add(run_system(ours_pipeline, "opd-stages-nographs", deadline, 45, w, work, tok, py, None,
+                           ("runtime.cuda_graphs=false",), "opd-stages-nographs"))
         if "layers" in ours_arms:  # + compiled decoder layers for update and score (opt-in: long runs)
             add(run_system(ours_pipeline, "opd-stages-layers", deadline, 60, w, work, tok, py, None,
                            ("runtime.compile_layers=true",), "opd-stages-layers"))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .blocks import adapters, hostmem, identity, memory, models, plan, reproducible, sampler
+from .blocks import adapters, graphs, hostmem, identity, memory, models, plan, reproducible, sampler
 from .blocks.config import Config, logit_temperature
 from .blocks.errors import UserError
 from .blocks.store import Store, link, seed_of, write_json
@@ -60,6 +60,7 @@ class Session:
                 print("runtime.compile_layers: the student's decoder layers compile at the first update "
                       "(about a minute on a cold compile cache)", file=sys.stderr, flush=True)
                 models.compile_layers(self._student, training=True)
+            self._graph_forwards(self._student, self.cfg.student)
         self._on_device("student")
         return self._student
 
@@ -77,9 +78,22 @@ class Session:
                 teacher = adapters.merged(teacher, d / "adapter", self.cfg.lora)
             if self.compiled_layers(self.cfg.teacher):
                 models.compile_layers(teacher, training=False)
+            self._graph_forwards(teacher, self.cfg.teacher)
             self._teacher = teacher
         self._on_device("teacher")
         return self._teacher
+
+    def graphed_forwards(self, mcfg) -> bool:
+        """A model's teacher-forced forwards replay CUDA graphs (stages/blocks/graphs.py):
+        runtime.cuda_graphs on CUDA, resident placement (captured graphs read fixed addresses; a
+        shared backbone is two models in one), dense weights, no activation checkpointing and no
+        compiled layers (each has its own kernels to replay or not)."""
+        return (self.device.type == "cuda" and self.cfg.runtime.cuda_graphs and self.placement == "resident"
+                and mcfg.quant == "none" and not self.compiled_layers(mcfg)
+                and not (mcfg is self.cfg.student and self.cfg.train.activation_checkpointing))
+
+    def _graph_forwards(self, model, mcfg) -> None:
+        models.base_of(model).__dict__["_opd_use_graphs"] = self.graphed_forwards(mcfg)
 
     def tokenizer(self):
         """The student's tokenizer (model_dir content-checks its files before anything is read)."""
@@ -212,6 +226,11 @@ class Session:
         s = {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch.")}
         if self.compiled_decode:  # (no key when eager: those digests are what they were)
             s["decode"] = "compiled"
+        if self.device.type == "cuda":  # teacher-forced forwards in the padded layout (stages/blocks/graphs.py),
+            s["forwards"] = f"padded-{graphs.BUCKET}"  # replayed from graphs for these roles (cuBLAS may
+            g = [r for r in ("student", "teacher") if self.graphed_forwards(getattr(self.cfg, r))]
+            if g:  # choose another algorithm under capture: graph and eager need not agree to the bit)
+                s["forward_graphs"] = g
         if self.compiled_layers(self.cfg.student) or self.compiled_layers(self.cfg.teacher):
             s["layers"] = "compiled"  # fused kernels round differently (which: by the quant keys, in the digests)
         if self.device.type == "cpu":

@@ -8,7 +8,7 @@ import json
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from stages.blocks import models, sampler
+from stages.blocks import decoder, models
 from stages.blocks.config import ROOT, LoraCfg
 
 EOS, PAD = 2, 2
@@ -53,7 +53,7 @@ def engine_hidden(model, prompts, responses, pad=PAD):
     hidden state that predicts each response token [n, H]. generate computes the same ops one token
     at a time (each position's q/k/v and MLP are per-position ops, each query attends over the same
     keys), so this graph's bound is the bound of what generate recorded."""
-    W = sampler.sampling_weights(model)
+    W = decoder.sampling_weights(model)
     B, P, N = len(prompts), max(len(x) for x in prompts), max(len(r) for r in responses)
     L = P + N
     ids = torch.full((B, L), pad, dtype=torch.long)
@@ -64,7 +64,7 @@ def engine_hidden(model, prompts, responses, pad=PAD):
     valid = (q[None, None, :] <= q[None, :, None]) & (q[None, None, :] >= pad_len[:, None, None])
     valid = valid | ((q[None, :, None] < pad_len[:, None, None]) & (q[None, None, :] == q[None, :, None]))
     shape = (W["n_layers"], B, W["n_kv"], L, W["head_dim"])
-    h = sampler._forward(W, ids, (q[None, :] - pad_len[:, None]).clamp_min(0), torch.zeros(shape), torch.zeros(shape),
+    h = decoder.forward(W, ids, (q[None, :] - pad_len[:, None]).clamp_min(0), torch.zeros(shape), torch.zeros(shape),
                          q, valid)  # [B, L, H]
     at = [(b, P - 1 + t) for b, r in enumerate(responses) for t in range(len(r))]
     return h[torch.tensor([a for a, _ in at]), torch.tensor([c for _, c in at])]

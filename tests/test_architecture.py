@@ -120,3 +120,11 @@ def test_test_module_names_are_unique_across_tests():
 
     names = Counter(p.name for p in Path(__file__).parent.rglob("*.py") if p.name != "conftest.py")
     assert [n for n, c in names.items() if c > 1] == []
+
+
+def test_no_module_of_stages_is_over_400_lines():
+    """Short files (docs/architecture.md, "Layout"): a module past 400 lines is doing two jobs."""
+    root = Path(__file__).resolve().parents[1] / "stages"
+    long = {str(p.relative_to(root)): n for p in root.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long

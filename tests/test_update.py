@@ -238,7 +238,7 @@ def test_on_cpu_an_update_drops_the_engine_and_the_next_one_holds_the_new_policy
     """CPU: the update does not refresh the sampling weights in place; the next rollout builds them
     from the resident policy, the construction a resumed process uses (one path for both)."""
     from stages import train
-    from stages.blocks import sampler
+    from stages.blocks import decoder
     from support import session
 
     sess = session(work, "train.updates=1")
@@ -246,7 +246,7 @@ def test_on_cpu_an_update_drops_the_engine_and_the_next_one_holds_the_new_policy
     assert sess._engine is None
     student = sess.student()
     qkv = sess.engine().W["layers"][0]["qkv"]
-    assert torch.equal(qkv, sampler.sampling_weights(student)["layers"][0]["qkv"])
+    assert torch.equal(qkv, decoder.sampling_weights(student)["layers"][0]["qkv"])
     with student.disable_adapter():
-        base = sampler.sampling_weights(student)["layers"][0]["qkv"]
+        base = decoder.sampling_weights(student)["layers"][0]["qkv"]
     assert not torch.equal(qkv, base)  # policy 1's LoRA delta is merged in (B moved off zero)

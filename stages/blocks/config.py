@@ -142,13 +142,18 @@ class RuntimeCfg:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     threads: int = 0  # 0 = torch default
-    # CUDA: the captured decode step runs a torch.compile'd layer (stages/blocks/sampler.py); fused
+    # CUDA: the captured decode step runs a torch.compile'd layer (stages/blocks/decoder.py); fused
     # kernels round differently from eager, so it is part of every CUDA digest. CPU: eager always
     compile: bool = True
     # CUDA: the student's decoder layers train compiled and the teacher's score compiled
     # (models.compile_layers). Faster steps (H200, seed workload: 0.363 s/update) for a slow start
     # (~80 s more before the first update on a cold compile cache): worth it for long runs only
     compile_layers: bool = False
+    # CUDA: the teacher-forced forwards (score; the update's forward and backward) replay captured
+    # CUDA graphs per shape (stages/blocks/graphs.py) when the models stay resident: the host no
+    # longer launches each kernel. The update's graph keeps its activations allocated between
+    # updates (`opd plan` counts them; false: eager, that memory freed after each update)
+    cuda_graphs: bool = True
 
 
 @dataclass

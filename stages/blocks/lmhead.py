@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import models
+from . import graphs, models
 
 
 @dataclass
@@ -79,15 +79,23 @@ def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def hidden(model, p: Packed) -> torch.Tensor:
     """Backbone hidden states at the response-predicting positions: [n, H].
 
+    On CUDA the forward runs in the padded layout of `graphs` (its bytes are part of the CUDA
+    digests), replayed from a captured graph where the session allows it (graphs.hidden).
     Layers compiled for training (models.compile_layers) run eager in eval mode (another grad mode
     would compile again). A compilation that fails (no working Triton) falls back to the eager
     layers for the rest of the process, with one warning."""
     base = models.base_of(model)
     compiled = getattr(base, "_opd_compiled", None)
     eager = compiled == "training" and not getattr(model, "training", False)
+
+    def forward():
+        if p.ids.device.type == "cuda":
+            return graphs.hidden(base, base.model, p.ids, p.attn, getattr(base, "_opd_use_graphs", False))
+        return base.model(input_ids=p.ids, attention_mask=p.attn, use_cache=False).last_hidden_state
+
     with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
         try:
-            out = base.model(input_ids=p.ids, attention_mask=p.attn, use_cache=False)
+            out = forward()
         except torch._dynamo.exc.TorchDynamoException as e:
             if not compiled or eager:
                 raise
@@ -95,8 +103,8 @@ def hidden(model, p: Packed) -> torch.Tensor:
                   f"{str(e).splitlines()[0][:160]}); running them eager (runtime.compile_layers=false skips "
                   "the attempt)", file=sys.stderr)
             models.uncompile_layers(model)
-            out = base.model(input_ids=p.ids, attention_mask=p.attn, use_cache=False)
-    return out.last_hidden_state[p.rows, p.cols]
+            out = forward()
+    return out[p.rows, p.cols]
 
 
 def head_weight(model) -> torch.Tensor:

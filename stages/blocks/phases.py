@@ -31,6 +31,7 @@ from .shapes import (Shape, dequant_bytes, engine_copy_bytes, forward_bytes, lor
 PHASES = ("rollout", "score", "update")
 ENGINE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}  # stages/blocks/sampler.py SUPPORTED (no torch import here)
 ENV_TOOL_TOKENS = 32  # assumed tokens of one tool message per turn (env rollouts): the env decides
+FORWARD_BUCKET = 64  # CUDA: teacher-forced forwards run right-padded to a multiple of this (stages/blocks/graphs.py)
 
 
 # ---- the workload and the phases ----
@@ -64,8 +65,9 @@ def workload(x: Ctx) -> dict:
         n_sel = max(1, math.ceil(n * sel.ratio))
     elif sel is not None and sel.mode == "uniform_budget" and sel.budget:
         n_sel = min(n, sel.budget)
+    T = -(-(P + N) // FORWARD_BUCKET) * FORWARD_BUCKET if x.device == "cuda" else P + N  # the padded layout
     return {"sequences": B, "prompt_tokens": P, "prompt_bucket": -(-P // 16) * 16 if graphs else P,
-            "new_tokens": N, "tokens": B * (P + N), "response_positions": n, "head_positions": n_sel,
+            "new_tokens": N, "tokens": B * T, "response_positions": n, "head_positions": n_sel,
             "chunk": min(cfg.train.chunk, n_sel), "vocab": x.S.vocab, "cuda_graphs": graphs}
 
 
@@ -97,17 +99,32 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     eng = [("student", "rollout engine weights (fused q/k/v, gate/up; merged LoRA"
             + ("; every projection dequantized from NF4)" if sq == "nf4" else ")"),
             engine_copy_bytes(S, cfg.lora, s, dense=sq == "nf4"), False)] if x.engine else []
+    big = max(i * o for i, o in S.proj().values())
     if x.engine and w["cuda_graphs"]:  # the captured decode step keeps its static state and pool
         eng.append(("student", f"captured decode graph: static KV cache [{S.layers}, {B}, {S.kv_heads}, {L}, "
                     f"{S.head_dim}] x2 + pool", kv + pick + gqa + B * (2 * S.hidden + 3 * S.inter) * s, False))
+        if sq != "nf4" and not moves:  # the captured LoRA re-merge (sampler.Engine.refresh) keeps its scratch
+            eng.append(("student", "captured LoRA re-merge (graph pool: fp32 merge of one projection)",
+                        3 * big * 4, False))
     teach = [("teacher", "weights: the student's base (shared, counted once)", 0, False)] if shared else \
         [("teacher", f"weights ({_label(tq, tdq, x.dtype)})", weight_bytes(T, tq, tdq, s), False)]
+    # CUDA graphs of the teacher-forced forwards (stages/blocks/graphs.py): each graph's pool keeps
+    # its forward's memory at fixed addresses for good, so every phase holds it
+    graphed = x.device == "cuda" and getattr(cfg.runtime, "cuda_graphs", False) and placement == "resident" \
+        and not getattr(cfg.runtime, "compile_layers", False)
+    t_fwd = forward_bytes(T, t, s) + t * T.hidden * s  # the teacher's forward activations + hidden states
+    a, scratch = saved_per_token_layer(S, cfg.lora, s), t * (2 * S.hidden + 3 * S.inter) * 4
+    saved = t * (S.layers * a + 4 * S.hidden)  # the student's saved activations (update)
+    t_pool = [("teacher", "captured scoring forward (graph pool: activations + hidden states)", t_fwd, False)] \
+        if graphed and tq == "none" else []
+    s_pool = [("student", "captured update forward + backward (graph pool: saved activations + backward "
+               "scratch)", saved + scratch, False)] \
+        if graphed and sq == "none" and not getattr(cfg.train, "activation_checkpointing", False) else []
     out: dict[str, list] = {}
 
     ro = stud + eng + ([] if moves else teach)
     if x.engine:
         if moves:  # the engine is rebuilt inside each rollout: fp32 scratch of one merge
-            big = max(i * o for i, o in S.proj().values())
             ro.append(("student", "engine build scratch (fp32 merge of one projection)", 3 * big * 4, True))
         ro += [("student", f"KV cache of this call [{S.layers}, {B}, {S.kv_heads}, {L}, {S.head_dim}] x2"
                 + (" (copied into the graph's)" if w["cuda_graphs"] else ""), kv, False),
@@ -121,28 +138,27 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
                ("student", f"prefill activations ({B} x {P} tokens)", forward_bytes(S, B * P, s), True),
                ("student", "sampling buffers [B, V] fp32", pick, True),
                ("student", "quantized matmul scratch", dequant_bytes(S, sq, B * P, s), False)]
-    out["rollout"] = ro
+    out["rollout"] = ro + t_pool + s_pool
 
     sc = ([] if moves else stud + eng) + teach
     tquant = sq if shared else tq
-    sc += [("teacher", f"forward activations ({t} tokens) + last hidden states [{t}, H]",
-            forward_bytes(T, t, s) + t * T.hidden * s, True),
-           ("teacher", f"logits chunk [{c}, {V}] fp32 x3 (log_softmax, exp, entropy term)", 3 * c * V * 4, True),
-           ("teacher", f"selected hidden states [{n}, H]", n * T.hidden * s, False),
-           ("teacher", "log-probs, entropy, top-k ids and log-probs", n * (8 + 12 * k), False),
-           ("teacher", "quantized matmul scratch", dequant_bytes(T, tquant, t, s), False)]
+    sc += t_pool or [("teacher", f"forward activations ({t} tokens) + last hidden states [{t}, H]", t_fwd, True)]
+    sc += s_pool + [("teacher", f"logits chunk [{c}, {V}] fp32 x3 (log_softmax, exp, entropy term)", 3 * c * V * 4, True),
+                    ("teacher", f"selected hidden states [{n}, H]", n * T.hidden * s, False),
+                    ("teacher", "log-probs, entropy, top-k ids and log-probs", n * (8 + 12 * k), False),
+                    ("teacher", "quantized matmul scratch", dequant_bytes(T, tquant, t, s), False)]
     out["score"] = sc
 
     full = "full" in objectives.needs(cfg.objective)
-    a, scratch = saved_per_token_layer(S, cfg.lora, s), t * (2 * S.hidden + 3 * S.inter) * 4
-    up = stud + ([] if moves else eng + teach)
+    up = stud + ([] if moves else eng + teach + t_pool)
     if getattr(cfg.train, "activation_checkpointing", False):  # each layer keeps only its input
         up += [("student", f"checkpointed layer inputs ({t} tokens x {S.layers} layers)",
                 t * (S.layers * S.hidden * s + 4 * S.hidden), False),
                ("student", "backward: one layer's activations recomputed + scratch", t * a + scratch, True)]
+    elif s_pool:
+        up += s_pool
     else:
-        up += [("student", f"saved activations ({t} tokens x {S.layers} layers)",
-                t * (S.layers * a + 4 * S.hidden), False),
+        up += [("student", f"saved activations ({t} tokens x {S.layers} layers)", saved, False),
                ("student", "backward scratch (one layer)", scratch, True)]
     up += [("student", f"loss chunk [{c}, {V}] fp32 x4" + (" + teacher logits" if full else "")
             + f" + hidden-state grad [{n}, H]", (5 if full else 4) * c * V * 4 + n * S.hidden * s, True),

@@ -234,7 +234,7 @@ def lora_params(sh: Shape, lora) -> int:
     return n + (lora.r * (sh.hidden + sh.vocab) if "lm_head" in tg else 0)
 
 
-# sampler.sampling_weights concatenates q/k/v and gate/up (one matmul each per decode step): new tensors
+# decoder.sampling_weights concatenates q/k/v and gate/up (one matmul each per decode step): new tensors
 FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 

@@ -1,0 +1,182 @@
+"""The functional Llama-family decoder the rollout engine samples with (stages/blocks/sampler.py):
+a compact re-statement of the transformers forward (Llama, SmolLM2, Qwen2, Qwen3) over plain weight
+tensors, mirroring its numerics (fp32 RMSNorm, fp32 rotary tables cast to the compute dtype), and
+the weights it reads: LoRA merged (fp32 math, one rounding), q/k/v and gate/up concatenated, an NF4
+base dequantized exactly as its own forward dequantizes it (bitsandbytes `dequantize_4bit`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import models
+
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def is_nf4(lin) -> bool:
+    """A bitsandbytes 4-bit Linear (its weight carries a quant_state), or a PEFT LoRA around one."""
+    lin = getattr(lin, "base_layer", lin)
+    return getattr(lin.weight, "quant_state", None) is not None
+
+
+def dense(lin) -> torch.Tensor:
+    """A Linear's base weight [out, in] as a dense tensor: bitsandbytes NF4 dequantized the way its
+    own forward dequantizes it (the quant state's compute dtype), anything else as it is."""
+    w = lin.weight
+    if getattr(w, "quant_state", None) is not None:
+        import bitsandbytes.functional as bnbf  # (only an NF4 base gets here: bitsandbytes is installed)
+
+        return bnbf.dequantize_4bit(w.data, w.quant_state)
+    return w
+
+
+def merged_weight(lin, dtype) -> torch.Tensor:
+    """Weight of a Linear, with any active PEFT LoRA delta merged in (fp32 math, one rounding)."""
+    if hasattr(lin, "base_layer"):
+        w = dense(lin.base_layer).float()
+        if not getattr(lin, "disable_adapters", False):
+            for name in lin.active_adapters:
+                if name not in lin.lora_A:
+                    continue
+                if getattr(lin, "fan_in_fan_out", False) or lin.use_dora.get(name, False):
+                    w = w + lin.get_delta_weight(name).float()  # PEFT's general path
+                else:  # plain LoRA: W + s * B @ A in one fused kernel
+                    w = torch.addmm(w, lin.lora_B[name].weight.float(), lin.lora_A[name].weight.float(),
+                                    alpha=lin.scaling[name])
+        return w.to(dtype).contiguous()
+    return dense(lin).to(dtype)
+
+
+def bias_of(lin):
+    lin = getattr(lin, "base_layer", lin)
+    return lin.bias
+
+
+@torch.no_grad()
+def sampling_weights(model) -> dict:
+    """Plain tensors for the functional decoder, LoRA merged, q/k/v and gate/up concatenated so a
+    decode step launches one matmul for each (fewer, larger kernels). Built once per policy version."""
+    base = models.base_of(model)
+    inner, cfg = base.model, base.config
+    dtype = inner.embed_tokens.weight.dtype
+    layers = []
+    for layer in inner.layers:
+        a, m = layer.self_attn, layer.mlp
+        biases = [bias_of(getattr(a, p)) for p in PROJ[:3]]
+        layers.append({
+            "qkv": torch.cat([merged_weight(getattr(a, p), dtype) for p in PROJ[:3]]),
+            "qkv_bias": None if biases[0] is None else torch.cat(biases),
+            "o_proj": merged_weight(a.o_proj, dtype),
+            "gate_up": torch.cat([merged_weight(m.gate_proj, dtype), merged_weight(m.up_proj, dtype)]),
+            "down_proj": merged_weight(m.down_proj, dtype),
+            "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
+            "q_norm": getattr(getattr(a, "q_norm", None), "weight", None),
+            "k_norm": getattr(getattr(a, "k_norm", None), "weight", None),
+        })
+    rot = inner.rotary_emb
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return {
+        "layers": layers, "embed": inner.embed_tokens.weight, "norm": inner.norm.weight,
+        "head": merged_weight(base.lm_head, dtype), "eps": cfg.rms_norm_eps, "dtype": dtype,
+        "inv_freq": rot.inv_freq.float(), "rope_scale": float(getattr(rot, "attention_scaling", 1.0)),
+        "n_heads": cfg.num_attention_heads, "n_kv": cfg.num_key_value_heads, "head_dim": head_dim,
+        "n_layers": len(layers), "act": cfg.hidden_act,
+    }
+
+
+def rms(x, w, eps):
+    # transformers: normalise in fp32, round once to the compute dtype, then scale by the weight.
+    # F.rms_norm is one fused kernel on CUDA and computes in fp32 internally for bf16 inputs.
+    if x.dtype == torch.float32 or x.device.type != "cuda":
+        dt = x.dtype
+        x = x.float()
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+    return w * F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def rope(x, cos, sin):
+    # x [B, H, T, D]; cos/sin [B, 1, T, D]
+    h = x.shape[-1] // 2
+    rot = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return x * cos + rot * sin
+
+
+def layer(x, w, ck, cv, cos, sin, mask, slots, H, KV, D, eps, act):
+    """One decoder layer over x [B, T, hidden]; writes its new K/V into ck/cv [B, n_kv, L, D] at
+    `slots`. A plain function of tensors and constants, so torch.compile can fuse it (`compiled_layer`)."""
+    B, T = x.shape[:2]
+    h = rms(x, w["ln1"], eps)
+    qkv = F.linear(h, w["qkv"], w["qkv_bias"]).view(B, T, H + 2 * KV, D)
+    if w["q_norm"] is not None:  # Qwen3 normalises each head before rotary
+        q, k, v = qkv.split((H, KV, KV), dim=2)
+        qk = torch.cat((rms(q, w["q_norm"], eps), rms(k, w["k_norm"], eps)), dim=2)
+    else:
+        qk, v = qkv[:, :, :H + KV], qkv[:, :, H + KV:]
+    qk = rope(qk.transpose(1, 2), cos, sin)  # q and k rotated together: [B, H+KV, T, D]
+    q, k = qk[:, :H], qk[:, H:]
+    ck.index_copy_(2, slots, k)
+    cv.index_copy_(2, slots, v.transpose(1, 2))
+    o = F.scaled_dot_product_attention(q, ck, cv, attn_mask=mask, enable_gqa=KV != H)
+    x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * D), w["o_proj"])
+    h = rms(x, w["ln2"], eps)
+    gate, up = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
+    return x + F.linear(act(gate) * up, w["down_proj"])
+
+
+_COMPILED = None
+
+
+def compiled_layer():
+    """`layer` through torch.compile (Inductor): RMSNorm, rotary, the cache writes and the
+    residual adds fuse into a few Triton kernels, where eager launches ~20 small ones per layer.
+    One compilation serves every layer (same shapes); the decode step calls it inside the
+    captured CUDA graph. Compiled once per process and shape (docs/architecture.md, rollout engine)."""
+    global _COMPILED
+    if _COMPILED is None:
+        models.compile_settings()  # deterministic kernel choices; shapes are static (one compilation
+        _COMPILED = torch.compile(layer, fullgraph=True, dynamic=False)  # per batch and cache length)
+    return _COMPILED
+
+
+def forward(W, ids, pos, cache_k, cache_v, slots, key_valid, layer=layer):
+    """One forward over T new tokens per sequence, writing their K/V into the static cache.
+
+    ids [B, T]; pos [B, T] rotary positions; cache_k/v [n_layers, B, n_kv, L, D];
+    slots [T] cache slots for the new tokens; key_valid [B, T, L] bool. Returns hidden [B, T, H].
+    """
+    dt = W["dtype"]
+    x = F.embedding(ids, W["embed"])
+    freqs = pos.float()[..., None] * W["inv_freq"]  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = (emb.cos() * W["rope_scale"]).to(dt)[:, None]  # [B, 1, T, D]
+    sin = (emb.sin() * W["rope_scale"]).to(dt)[:, None]
+    mask = key_valid[:, None]  # [B, 1, T, L]
+    act = getattr(F, W["act"]) if W["act"] != "swish" else F.silu
+    for i, w in enumerate(W["layers"]):
+        x = layer(x, w, cache_k[i], cache_v[i], cos, sin, mask, slots, W["n_heads"], W["n_kv"], W["head_dim"],
+                  W["eps"], act)
+    return rms(x, W["norm"], W["eps"])
+
+
+def pick(logits, u, temperature, top_p, greedy, block_eos, eos):
+    """logits [B, V] -> (token [B], log-prob under the tempered distribution [B])."""
+    logits = logits.float()
+    if block_eos is not None:  # min_new_tokens: EOS impossible before then (benchmarks)
+        logits[:, eos] = torch.where(block_eos, float("-inf"), logits[:, eos])
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    if greedy:
+        tok = logp.argmax(-1)
+    else:
+        probs = logp.exp()
+        if top_p < 1.0:
+            sp, si = probs.sort(-1, descending=True)
+            keep = (sp.cumsum(-1) - sp) < top_p  # always keeps the first
+            sp = sp * keep
+            cdf = sp.cumsum(-1)
+            j = torch.searchsorted(cdf, (u * cdf[:, -1:].squeeze(-1))[:, None]).clamp_max(sp.shape[-1] - 1)
+            tok = si.gather(-1, j).squeeze(-1)
+        else:
+            cdf = probs.cumsum(-1)
+            tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_max(probs.shape[-1] - 1).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)

@@ -1,0 +1,113 @@
+"""Teacher-forced backbone forwards on CUDA in a fixed layout, replayed from captured CUDA graphs
+(docs/architecture.md, "CUDA graphs of the teacher-forced forwards").
+
+Eager, these forwards are bound by the host: a LoRA'd SmolLM2-360M launches some 1,500 kernels in
+its forward and more in its backward, each a few microseconds of GPU work behind ~20 us of Python,
+dispatcher and autograd. Replayed from a graph, the launches cost one call.
+
+On CUDA every teacher-forced forward (score, update, evaluate, SFT) runs right-padded to a multiple
+of BUCKET positions with an explicit boolean [B, 1, T, T] mask (causal, pads never attended as
+keys), whether a graph replays it or not. Real positions never attend the pads (causal, right
+padding), so the values are those of the unpadded forward up to the matmuls' shape-dependent
+rounding. A replay launches the kernels its capture recorded; cuBLAS may choose another algorithm
+under capture than eager, so which roles replay graphs is part of the CUDA digests
+(Session.runtime_slice), like the layout.
+
+Graphs are kept per (mode, batch, padded length), a few per model (least recently used dropped),
+and recaptured when the model's parameters moved (placement swap) — so a resident model replays
+and a swapped one pays a capture per phase; the session turns graphs off under swap. The training
+graph (`torch.cuda.make_graphed_callables`) holds its saved activations in its own pool between
+updates: the update's activation memory stays allocated while rollout and score run.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .phases import FORWARD_BUCKET as BUCKET  # positions: lengths within one bucket share a graph
+KEEP = 4  # graphs per model (a run sees one or two shapes: the update batch, evaluation's)
+
+
+def padded(ids: torch.Tensor, attn: torch.Tensor, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids/attn [B, T] (right-padded) -> ids [B, Tb] and the boolean mask [B, 1, Tb, Tb] (True = attend):
+    key j is visible from query i when j <= i and j is a real token."""
+    B, T = ids.shape
+    Tb = -(-T // BUCKET) * BUCKET
+    ids = F.pad(ids, (0, Tb - T), value=pad)
+    real = F.pad(attn, (0, Tb - T)).bool()  # [B, Tb]
+    causal = torch.ones(Tb, Tb, dtype=torch.bool, device=ids.device).tril_()
+    return ids, (causal[None] & real[:, None, :])[:, None]  # [B, 1, Tb, Tb]
+
+
+class _Backbone(torch.nn.Module):
+    """The transformers backbone as a function of tensors only (what make_graphed_callables takes)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids, mask):
+        return self.inner(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # [B, Tb, H]
+
+
+def params_at(inner) -> tuple:
+    """Where a model's parameters live: captured graphs read these addresses."""
+    return tuple(p.data_ptr() for p in inner.parameters())
+
+
+def _capture_inference(inner, ids, mask):
+    """A no-grad forward captured once: static ids/mask in, static hidden states out."""
+    ids, mask = ids.clone(), mask.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.no_grad():
+        for _ in range(2):  # warm-up off the capture: cuBLAS handles, kernel choices, allocator
+            inner(input_ids=ids, attention_mask=mask, use_cache=False)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(g):
+        out = inner(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+
+    def run(i, m):
+        ids.copy_(i)
+        mask.copy_(m)
+        g.replay()
+        return out  # the graph's own buffer: the caller gathers from it before the next replay
+
+    return run
+
+
+def _capture_training(inner, ids, mask):
+    """Forward and backward captured as a pair (make_graphed_callables): an autograd-aware callable
+    whose backward replays the captured backward and hands the trainable parameters their grads."""
+    return torch.cuda.make_graphed_callables(_Backbone(inner), (ids.clone(), mask.clone()))
+
+
+def hidden(model, inner, ids: torch.Tensor, attn: torch.Tensor, use_graphs: bool) -> torch.Tensor:
+    """The backbone's last hidden states [B, Tb, H] in the padded layout, from a replayed graph when
+    `use_graphs` (and the call is a training forward with grad, or a no-grad forward), else eager."""
+    ids, mask = padded(ids, attn)
+    training = torch.is_grad_enabled()
+    if training and not model.training:
+        use_graphs = False  # an eval-mode forward with grad (nothing of ours): eager
+    if not use_graphs:
+        return inner(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    graphs = model.__dict__.setdefault("_opd_graphs", {})
+    where = params_at(inner)
+    if graphs.get("params") != where:  # moved (or first use): captured addresses are stale
+        graphs.clear()
+        graphs["params"] = where
+    key = ("train" if training else "infer", *ids.shape)
+    g = graphs.pop(key, None)
+    if g is None:
+        shapes = [k for k in graphs if k != "params"]
+        if len(shapes) >= KEEP:
+            graphs.pop(shapes[0])  # least recently used (dict order: re-inserted on every use)
+        g = (_capture_training if training else _capture_inference)(inner, ids, mask)
+    graphs[key] = g
+    return g(ids, mask)
+
+
+def drop(model) -> None:
+    """Release a model's graphs and their memory pools."""
+    model.__dict__.pop("_opd_graphs", None)

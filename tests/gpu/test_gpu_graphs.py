@@ -1,0 +1,88 @@
+"""CUDA graphs of the teacher-forced forwards and of the engine's LoRA re-merge (stages/blocks/graphs.py,
+sampler.Engine.refresh): a replay computes what the eager padded forward computes, reads this call's
+inputs and parameters (not the captured ones), repeats to the bit, and trains the same LoRA grads."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stages.blocks import graphs, lmhead, models, sampler
+from engine_models import PAD, tiny, with_trained_lora
+
+pytestmark = pytest.mark.gpu
+
+
+def _batch(seed: int, device="cuda"):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [[1, *torch.randint(3, 4000, (n,), generator=g).tolist()] for n in (9, 4, 13)]
+    resp = [torch.randint(3, 4000, (n,), generator=g).tolist() for n in (6, 11, 3)]
+    return lmhead.pack(prompts, resp, [[1] * len(r) for r in resp], PAD, device)
+
+
+def _model(dtype):
+    return with_trained_lora(tiny(initializer_range=0.05), scale=0.02).to("cuda", dtype)
+
+
+def _hidden_and_grads(model, p, graphed: bool, train: bool):
+    models.base_of(model).__dict__["_opd_use_graphs"] = graphed
+    models.set_training(model, train)
+    named = models.trainable(model)
+    for _, q in named:
+        q.grad = None
+    with torch.set_grad_enabled(train):
+        h = lmhead.hidden(model, p)  # [n, H]
+        if train:
+            (h.float() ** 2).mean().backward()
+    return h.detach().clone(), {n: q.grad.clone() for n, q in named if q.grad is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_forward_and_backward_match_eager_and_repeat_exactly(dtype):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    m = _model(dtype)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for train in (False, True):
+        for seed in (0, 1):  # the second batch (same bucket) replays: it must read the new ids
+            p = _batch(seed)
+            he, ge = _hidden_and_grads(m, p, False, train)
+            hg, gg = _hidden_and_grads(m, p, True, train)
+            hg2, gg2 = _hidden_and_grads(m, p, True, train)
+            assert torch.equal(hg, hg2) and all(torch.equal(gg[k], gg2[k]) for k in gg)  # replay repeats
+            # capture may pick other cuBLAS algorithms than eager: the same values to rounding
+            assert torch.allclose(hg.float(), he.float(), **tol), (train, seed, (hg.float() - he.float()).abs().max())
+            if train:
+                assert gg.keys() == ge.keys() and len(gg) == len(models.trainable(m))
+                for k in gg:
+                    scale = ge[k].float().abs().max().clamp_min(1e-6)
+                    assert torch.allclose(gg[k].float() / scale, ge[k].float() / scale, **tol), k
+    held = models.base_of(m).__dict__["_opd_graphs"]
+    assert {k[0] for k in held if k != "params"} == {"train", "infer"}  # one graph per mode and shape
+    # the parameters change (an optimizer step): the replay reads them, not a captured copy
+    with torch.no_grad():
+        for _, q in models.trainable(m):
+            q.add_(0.01 * torch.randn_like(q))
+    p = _batch(0)
+    he, _ = _hidden_and_grads(m, p, False, False)
+    hg, _ = _hidden_and_grads(m, p, True, False)
+    assert torch.allclose(hg.float(), he.float(), **tol)
+    # the model moves (placement swap): its graphs are dropped and captured again at the new addresses
+    m.to("cpu").to("cuda")
+    hg3, _ = _hidden_and_grads(m, p, True, False)
+    assert torch.equal(hg3, hg)
+
+
+def test_engine_refresh_replays_the_merge_a_fresh_engine_makes():
+    m = _model(torch.bfloat16)
+    eng = sampler.Engine(m, use_graphs=True)
+    assert eng._refresh is not None  # the construction's weights came from the captured merge
+    for step in range(3):  # three policy versions: each refresh replays, a fresh engine captures anew
+        with torch.no_grad():
+            for _, q in models.trainable(m):
+                q.add_(0.01 * torch.randn_like(q))
+        eng.refresh(m)
+        fresh = sampler.Engine(m, use_graphs=True)
+        eager = sampler.Engine(m, use_graphs=False)
+        for a, b, c in zip(eng.W["layers"], fresh.W["layers"], eager.W["layers"]):
+            for k in ("qkv", "o_proj", "gate_up", "down_proj"):
+                assert torch.equal(a[k], b[k]), (step, k)  # what a resumed process samples from
+                assert torch.allclose(a[k].float(), c[k].float(), atol=1e-2, rtol=1e-2), (step, k)

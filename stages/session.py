@@ -85,10 +85,11 @@ class Session:
 
     def graphed_forwards(self, mcfg) -> bool:
         """A model's teacher-forced forwards replay CUDA graphs (stages/blocks/graphs.py):
-        runtime.cuda_graphs on CUDA, resident placement (captured graphs read fixed addresses; a
-        shared backbone is two models in one), dense weights, no activation checkpointing and no
-        compiled layers (each has its own kernels to replay or not)."""
-        return (self.device.type == "cuda" and self.cfg.runtime.cuda_graphs and self.placement == "resident"
+        runtime.cuda_graphs on CUDA, dense weights, no activation checkpointing and no compiled
+        layers (each has its own kernels to replay or not). Not the placement: it changes nothing
+        computed (swap drops a role's graphs when it moves and captures them again; the shared
+        backbone's teacher view keeps its own)."""
+        return (self.device.type == "cuda" and self.cfg.runtime.cuda_graphs
                 and mcfg.quant == "none" and not self.compiled_layers(mcfg)
                 and not (mcfg is self.cfg.student and self.cfg.train.activation_checkpointing))
 

@@ -13,9 +13,10 @@ rounding. A replay launches the kernels its capture recorded; cuBLAS may choose 
 under capture than eager, so which roles replay graphs is part of the CUDA digests
 (Session.runtime_slice), like the layout.
 
-Graphs are kept per (mode, batch, padded length), a few per model (least recently used dropped),
-and recaptured when the model's parameters moved (placement swap) — so a resident model replays
-and a swapped one pays a capture per phase; the session turns graphs off under swap. The training
+Graphs are kept per (mode, train flag, batch, padded length), a few per model (least recently
+used dropped), and captured again when the model's parameters moved: placement swap drops a role's
+graphs when it moves (memory.move), so a swapped role pays a capture per phase and computes what a
+resident one does; the shared backbone's teacher view keeps its own graphs. The training
 graph (`torch.cuda.make_graphed_callables`) holds its saved activations in its own pool between
 updates: the update's activation memory stays allocated while rollout and score run.
 """
@@ -80,7 +81,14 @@ def _capture_inference(inner, ids, mask):
 def _capture_training(inner, ids, mask):
     """Forward and backward captured as a pair (make_graphed_callables): an autograd-aware callable
     whose backward replays the captured backward and hands the trainable parameters their grads."""
-    return torch.cuda.make_graphed_callables(_Backbone(inner), (ids.clone(), mask.clone()))
+    quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+    if quiet:  # the warm-up backward runs on a side stream, the parameters' grad nodes were made on the
+        quiet(False)  # default one: torch warns once of a sync that only the warm-up pays
+    try:
+        return torch.cuda.make_graphed_callables(_Backbone(inner), (ids.clone(), mask.clone()))
+    finally:
+        if quiet:
+            quiet(True)
 
 
 def hidden(model, inner, ids: torch.Tensor, attn: torch.Tensor, use_graphs: bool) -> torch.Tensor:
@@ -97,7 +105,7 @@ def hidden(model, inner, ids: torch.Tensor, attn: torch.Tensor, use_graphs: bool
     if graphs.get("params") != where:  # moved (or first use): captured addresses are stale
         graphs.clear()
         graphs["params"] = where
-    key = ("train" if training else "infer", *ids.shape)
+    key = ("train" if training else "infer", bool(model.training), *ids.shape)
     g = graphs.pop(key, None)
     if g is None:
         shapes = [k for k in graphs if k != "params"]

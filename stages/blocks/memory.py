@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from . import graphs, models
 from .errors import UserError
 
 GIB = 2**30
@@ -89,9 +90,10 @@ class SharedTeacher:
 
     def __init__(self, peft_model):
         self.peft = peft_model
+        self._view = _View(peft_model.get_base_model(), peft_model)  # one view: it holds the teacher's graphs
 
     def get_base_model(self):
-        return _View(self.peft.get_base_model(), self.peft)
+        return self._view
 
     def __call__(self, *args, **kwargs):
         with self.peft.disable_adapter():
@@ -119,6 +121,7 @@ def shared_teacher(sess) -> SharedTeacher:
 def move(model, device: torch.device) -> None:
     """Move a role (parameters, buffers and gradients: Module.to carries .grad) to `device`."""
     target = model.peft if isinstance(model, SharedTeacher) else model
+    graphs.drop(models.base_of(target))  # captured at the old addresses (and their pools freed with them)
     target.to(device)
 
 

@@ -109,8 +109,9 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     teach = [("teacher", "weights: the student's base (shared, counted once)", 0, False)] if shared else \
         [("teacher", f"weights ({_label(tq, tdq, x.dtype)})", weight_bytes(T, tq, tdq, s), False)]
     # CUDA graphs of the teacher-forced forwards (stages/blocks/graphs.py): each graph's pool keeps
-    # its forward's memory at fixed addresses for good, so every phase holds it
-    graphed = x.device == "cuda" and getattr(cfg.runtime, "cuda_graphs", False) and placement == "resident" \
+    # its forward's memory at fixed addresses while the role stays on the device, so every phase
+    # holds it; under swap a role's graphs go with each move (its own phase holds what eager does)
+    graphed = x.device == "cuda" and getattr(cfg.runtime, "cuda_graphs", False) and not moves \
         and not getattr(cfg.runtime, "compile_layers", False)
     t_fwd = forward_bytes(T, t, s) + t * T.hidden * s  # the teacher's forward activations + hidden states
     a, scratch = saved_per_token_layer(S, cfg.lora, s), t * (2 * S.hidden + 3 * S.inter) * 4

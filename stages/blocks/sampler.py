@@ -167,7 +167,7 @@ class Engine:
             k.add_(1)
 
         run = self._graph(step, st, (B, P, max_new, temperature, top_p, greedy, min_new)) \
-            if self.use_graphs else step
+            if self.use_graphs and max_new > 1 else step  # (one new token: prefill only, no decode step)
         for i in range(1, max_new):
             # one host sync per 8 steps, and none while min_new keeps every sequence going
             if i % 8 == 0 and i > min_new and bool(st["done"].all()):

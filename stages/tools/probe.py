@@ -6,6 +6,7 @@ cached in the store by an identity digest of shapes, settings and versions.
 """
 from __future__ import annotations
 
+import gc
 import json
 
 import numpy as np
@@ -48,6 +49,8 @@ def run(cfg, est: dict) -> dict:
 def measure(cfg, est: dict) -> dict:
     # what this process already holds on the device before the probe loads anything (nothing under
     # `opd plan --probe`; an earlier probe's models in a longer-lived process) is not this run's
+    gc.collect()  # an earlier session's models (and graph pools) that are garbage go now, not mid-probe
+    torch.cuda.empty_cache()
     held = torch.cuda.memory_allocated()
     sess = train.session(cfg, placement=est["placement"]["chosen"])
     w = est["workload"]

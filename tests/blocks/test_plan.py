@@ -118,7 +118,7 @@ def test_seed_workload_components_by_hand():
     tot = lambda e, ph: sum(i["bytes"] for i in e["placements"]["resident"]["phases"][ph]["items"]  # noqa: E731
                             if not i["one_at_a_time"])
     assert tot(est, "rollout") - tot(eager, "rollout") == t_pool + s_pool
-    # swap moves the models: no graphs there, nothing added
+    # swap moves the models: their graphs go with each move, nothing held across phases
     assert all("captured scoring" not in i["component"] for ph in est["placements"]["swap"]["phases"].values()
                for i in ph["items"])
     # one score chunk: 3 fp32 [256, 49152] tensors; one loss chunk: 4
@@ -218,7 +218,7 @@ def test_auto_picks_resident_then_swap_then_refuses_with_fixes():
 def test_shared_backbone_is_one_copy_and_auto_prefers_it():
     same = ["student.name=arch:smollm2-360m", "student.init=random", "student.keep_layers=0",
             "teacher.name=arch:smollm2-360m", "teacher.init=random", "runtime.device=cuda", "memory.vram_gib=16",
-            "runtime.cuda_graphs=false"]  # (resident's graph pools, which shared_backbone never has, aside)
+            "runtime.cuda_graphs=false"]  # (the graph pools, which differ by the teacher's forward, aside)
     est = plan.estimate(cfg(*same))
     assert est["placement"]["chosen"] == "shared_backbone"
     sh, res = est["placements"]["shared_backbone"], est["placements"]["resident"]

@@ -277,9 +277,10 @@ def test_gpu_swap_and_shared_publish_what_resident_does(work):
 def test_gpu_oom_retry_under_a_tiny_budget(work):
     # vram_gib caps the caching allocator: a [256, 49152] fp32 chunk (48 MiB each) cannot fit 4 times.
     # The rollout is not under test and has no retry: eager decode (no graph capture, whose side stream
-    # takes a second 32 MiB cuBLAS workspace that does not fit 0.12 GiB; seen on the H200)
+    # takes a second 32 MiB cuBLAS workspace that does not fit 0.12 GiB; seen on the H200), and eager
+    # score/update forwards for the same reason (their capture's workspace; seen on the H200 too)
     r = opd("stage", "train", *TINY, "train.updates=1", "train.chunk=256", "rollout.batch_size=8",
-            "rollout.cuda_graphs=false",
+            "rollout.cuda_graphs=false", "runtime.cuda_graphs=false",
             "rollout.max_new_tokens=32", "rollout.min_new_tokens=32", "memory.vram_gib=0.12",
             "memory.chunk_floor=8", cwd=work, check=False)
     assert r.returncode == 0, r.stderr

@@ -165,11 +165,13 @@ def chunk_retry(sess, stage: str, k: int, state: dict, attempt: Callable[[int], 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if chunk <= floor:
+            hint = " or runtime.cuda_graphs=false (a captured forward's pool keeps its memory)" \
+                if sess.device.type == "cuda" and sess.cfg.runtime.cuda_graphs else ""
             raise UserError(
                 f"{stage} step {k}: CUDA out of memory at position chunk {chunk} (memory.chunk_floor = {floor}) after "
                 f"{len(tried)} attempts (chunks {', '.join(map(str, tried))}); peak allocated {alloc:.2f} GiB; "
                 f"the chunk is not what fills memory: run `opd plan` and try memory.placement=swap, "
-                f"student.quant=nf4 / teacher.quant=nf4 or a smaller rollout.batch_size ({failed})")
+                f"student.quant=nf4 / teacher.quant=nf4, a smaller rollout.batch_size{hint} ({failed})")
         chunk = max(floor, chunk // 2)
     sess.chunk_sizes[stage] = chunk
     if tried or chunk != sess.cfg.train.chunk:

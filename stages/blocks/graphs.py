@@ -81,14 +81,13 @@ def _capture_inference(inner, ids, mask):
 def _capture_training(inner, ids, mask):
     """Forward and backward captured as a pair (make_graphed_callables): an autograd-aware callable
     whose backward replays the captured backward and hands the trainable parameters their grads."""
+    # The parameters' grad accumulators are made on the capture's side stream, and every replayed
+    # backward hands them grads on the training stream: torch warns (once, into the user's output)
+    # of the stream wait this costs, which is intended here; off for the process once graphs exist.
     quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
-    if quiet:  # the warm-up backward runs on a side stream, the parameters' grad nodes were made on the
-        quiet(False)  # default one: torch warns once of a sync that only the warm-up pays
-    try:
-        return torch.cuda.make_graphed_callables(_Backbone(inner), (ids.clone(), mask.clone()))
-    finally:
-        if quiet:
-            quiet(True)
+    if quiet:
+        quiet(False)
+    return torch.cuda.make_graphed_callables(_Backbone(inner), (ids.clone(), mask.clone()))
 
 
 def hidden(model, inner, ids: torch.Tensor, attn: torch.Tensor, use_graphs: bool) -> torch.Tensor:

@@ -18,7 +18,9 @@ used dropped), and captured again when the model's parameters moved: placement s
 graphs when it moves (memory.move), so a swapped role pays a capture per phase and computes what a
 resident one does; the shared backbone's teacher view keeps its own graphs. The training
 graph (`torch.cuda.make_graphed_callables`) holds its saved activations in its own pool between
-updates: the update's activation memory stays allocated while rollout and score run.
+updates: the update's activation memory stays allocated while rollout and score run. Its static
+buffers hold one forward's activations: a training forward's backward runs before the next training
+forward of that model (as update and SFT do; a retry after an OOM discards the earlier graph).
 """
 from __future__ import annotations
 

@@ -220,8 +220,10 @@ class Chain:
         if key not in self._memo:
             c = reads(self.cfg, "rollout")
             s = slice_of(c, "rollout", "data.max_prompt_tokens", "data.truncation")
-            s["rollout"].pop("cuda_graphs")  # graphs replay the same kernels: not part of identity
-            s.update(step=k, runtime=self.runtime())
+            rt = self.runtime()
+            if rt.get("device") != "cuda":  # CPU never captures a graph: not part of its identity. On CUDA
+                s["rollout"].pop("cuda_graphs")  # it is: cuBLAS may choose another algorithm under capture
+            s.update(step=k, runtime=rt)
             s.update(quant(c, "student"))
             if c.student.quant == "nf4":  # sampled by the engine from a dense copy (no longer transformers')
                 s["engine"] = "nf4-dequantized"

@@ -71,8 +71,8 @@ def run(sess: Session) -> dict:
         prompts = [prompt_ids(tok, m, cfg.data) for m in ev.column(cfg.data.prompt_key).to_pylist()]
         state: dict = {"stage": "evaluate", "digest": dig}
         with phase(sess.device, state) as ph:
-            teacher_resp = greedy(sess, sess.teacher(), sampler.make(sess.teacher(), cfg.rollout.cuda_graphs, sess.compiled_decode),
-                                  prompts)
+            engine = sampler.make(sess.teacher(), cfg.rollout.cuda_graphs, sess.compiled_decode, sess.store.flush)
+            teacher_resp = greedy(sess, sess.teacher(), engine, prompts)
             result, rows, said = {"teacher": {"answers": answers(tok, teacher_resp)}}, [], {"teacher": teacher_resp}
             for name, k in (("initial", 0), ("final", K)):
                 student = sess.use_policy(k)

@@ -67,6 +67,7 @@ class Session:
     def teacher(self):
         if self._teacher is None and self.placement == "shared_backbone":
             self._teacher = memory.shared_teacher(self)  # the student's base, its LoRA disabled: one copy
+            self._graph_forwards(self._teacher, self.cfg.teacher)  # (on its view: not the student's setting)
         if self._teacher is None:
             teacher = models.load(self.model_dir("teacher"), self.cfg.teacher, self.device, self.dtype)
             if self.cfg.teacher_mode == "protocol_sft":  # base + the SFT teacher adapter, merged
@@ -86,15 +87,27 @@ class Session:
     def graphed_forwards(self, mcfg) -> bool:
         """A model's teacher-forced forwards replay CUDA graphs (stages/blocks/graphs.py):
         runtime.cuda_graphs on CUDA, dense weights, no activation checkpointing and no compiled
-        layers (each has its own kernels to replay or not). Not the placement: it changes nothing
-        computed (swap drops a role's graphs when it moves and captures them again; the shared
-        backbone's teacher view keeps its own)."""
-        return (self.device.type == "cuda" and self.cfg.runtime.cuda_graphs
+        layers (each has its own kernels to replay or not), no LoRA dropout (a capture's warm-up
+        passes would draw from the generator the update seeds), single-turn prompts (one padded
+        length for the run: multi-turn episodes vary, and a capture mid-run could meet the publish
+        thread's device sync). Not the placement: it changes nothing computed (swap drops a role's
+        graphs when it moves and captures them again; the shared backbone's teacher view keeps its own)."""
+        student = mcfg is self.cfg.student
+        return (self.device.type == "cuda" and self.cfg.runtime.cuda_graphs and not self.cfg.env.name
                 and mcfg.quant == "none" and not self.compiled_layers(mcfg)
-                and not (mcfg is self.cfg.student and self.cfg.train.activation_checkpointing))
+                and not (student and (self.cfg.train.activation_checkpointing or self.cfg.lora.dropout)))
+
+    def forward_length(self) -> int:
+        """CUDA: the padded length of every teacher-forced forward (stages/blocks/graphs.py): the
+        run's longest prompt + response, so a run replays one graph per batch size. Longer inputs
+        (multi-turn episodes, evaluation's longer answers) pad to their own multiple of the bucket."""
+        return graphs.bucket(self.cfg.data.max_prompt_tokens + self.cfg.rollout.max_new_tokens)
 
     def _graph_forwards(self, model, mcfg) -> None:
-        models.base_of(model).__dict__["_opd_use_graphs"] = self.graphed_forwards(mcfg)
+        base = models.base_of(model)
+        base.__dict__["_opd_use_graphs"] = self.graphed_forwards(mcfg)
+        base.__dict__["_opd_forward_length"] = self.forward_length()
+        base.__dict__["_opd_before_capture"] = self.store.flush  # (graphs.hidden: as the engine's)
 
     def tokenizer(self):
         """The student's tokenizer (model_dir content-checks its files before anything is read)."""
@@ -179,7 +192,8 @@ class Session:
     def engine(self):
         """The rollout engine for the student's current policy (None: transformers fallback)."""
         if self._engine is None:
-            self._engine = sampler.make(self.student(), self.cfg.rollout.cuda_graphs, self.compiled_decode) or False
+            self._engine = sampler.make(self.student(), self.cfg.rollout.cuda_graphs, self.compiled_decode,
+                                        self.store.flush) or False
         return self._engine or None
 
     def generate(self, prompt_ids: list[list[int]], max_new: int, seed: int, greedy: bool = False,
@@ -228,7 +242,7 @@ class Session:
         if self.compiled_decode:  # (no key when eager: those digests are what they were)
             s["decode"] = "compiled"
         if self.device.type == "cuda":  # teacher-forced forwards in the padded layout (stages/blocks/graphs.py),
-            s["forwards"] = f"padded-{graphs.BUCKET}"  # replayed from graphs for these roles (cuBLAS may
+            s["forwards"] = f"padded-to-{self.forward_length()}"  # replayed from graphs for these roles (cuBLAS may
             g = [r for r in ("student", "teacher") if self.graphed_forwards(getattr(self.cfg, r))]
             if g:  # choose another algorithm under capture: graph and eager need not agree to the bit)
                 s["forward_graphs"] = g

@@ -5,9 +5,10 @@ Eager, these forwards are bound by the host: a LoRA'd SmolLM2-360M launches some
 its forward and more in its backward, each a few microseconds of GPU work behind ~20 us of Python,
 dispatcher and autograd. Replayed from a graph, the launches cost one call.
 
-On CUDA every teacher-forced forward (score, update, evaluate, SFT) runs right-padded to a multiple
-of BUCKET positions with an explicit boolean [B, 1, T, T] mask (causal, pads never attended as
-keys), whether a graph replays it or not. Real positions never attend the pads (causal, right
+On CUDA every teacher-forced forward (score, update, evaluate, SFT) of a Llama-family model on SDPA
+attention (`layout_ok`) runs right-padded to the run's length (a multiple of BUCKET positions) with
+an explicit boolean [B, 1, T, T] mask (causal, pads never attended as keys), whether a graph
+replays it or not. Real positions never attend the pads (causal, right
 padding), so the values are those of the unpadded forward up to the matmuls' shape-dependent
 rounding. A replay launches the kernels its capture recorded; cuBLAS may choose another algorithm
 under capture than eager, so which roles replay graphs is part of the CUDA digests
@@ -20,22 +21,43 @@ resident one does; the shared backbone's teacher view keeps its own graphs. The 
 graph (`torch.cuda.make_graphed_callables`) holds its saved activations in its own pool between
 updates: the update's activation memory stays allocated while rollout and score run. Its static
 buffers hold one forward's activations: a training forward's backward runs before the next training
-forward of that model (as update and SFT do; a retry after an OOM discards the earlier graph).
+forward of that model (as update and SFT do; a retry after an OOM replays the same graph, whose
+earlier autograd graph was dropped with the failed attempt). A run pads every forward to its longest
+prompt + response (Session.forward_length), so it replays one graph per (mode, batch size).
 """
 from __future__ import annotations
+
+import gc
 
 import torch
 import torch.nn.functional as F
 
 from .phases import FORWARD_BUCKET as BUCKET  # positions: lengths within one bucket share a graph
-KEEP = 4  # graphs per model (a run sees one or two shapes: the update batch, evaluation's)
+KEEP = 4  # graphs per model: a run's training batch, its scoring batch, evaluation's; older ones are dropped
 
 
-def padded(ids: torch.Tensor, attn: torch.Tensor, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+# the layout's explicit mask is what transformers' SDPA attention takes as it is (an eager attention
+# would add a boolean mask as 0/1; a sliding window would be lost): these architectures, SDPA only
+LAYOUT_TYPES = {"llama", "qwen2", "qwen3"}
+
+
+def bucket(n: int) -> int:
+    return -(-n // BUCKET) * BUCKET
+
+
+def layout_ok(base) -> bool:
+    """The padded layout runs this model: a Llama-family architecture on SDPA attention, no sliding window."""
+    c = base.config
+    return c.model_type in LAYOUT_TYPES and getattr(c, "_attn_implementation", None) == "sdpa" \
+        and not getattr(c, "use_sliding_window", False)
+
+
+def padded(ids: torch.Tensor, attn: torch.Tensor, length: int = 0, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """ids/attn [B, T] (right-padded) -> ids [B, Tb] and the boolean mask [B, 1, Tb, Tb] (True = attend):
-    key j is visible from query i when j <= i and j is a real token."""
+    key j is visible from query i when j <= i and j is a real token. Tb: `length` (the run's, a
+    bucket multiple), or the next multiple of the bucket when T is longer."""
     B, T = ids.shape
-    Tb = -(-T // BUCKET) * BUCKET
+    Tb = max(length, bucket(T))
     ids = F.pad(ids, (0, Tb - T), value=pad)
     real = F.pad(attn, (0, Tb - T)).bool()  # [B, Tb]
     causal = torch.ones(Tb, Tb, dtype=torch.bool, device=ids.device).tril_()
@@ -92,10 +114,10 @@ def _capture_training(inner, ids, mask):
     return torch.cuda.make_graphed_callables(_Backbone(inner), (ids.clone(), mask.clone()))
 
 
-def hidden(model, inner, ids: torch.Tensor, attn: torch.Tensor, use_graphs: bool) -> torch.Tensor:
-    """The backbone's last hidden states [B, Tb, H] in the padded layout, from a replayed graph when
-    `use_graphs` (and the call is a training forward with grad, or a no-grad forward), else eager."""
-    ids, mask = padded(ids, attn)
+def hidden(model, inner, ids: torch.Tensor, attn: torch.Tensor, use_graphs: bool, length: int = 0) -> torch.Tensor:
+    """The backbone's last hidden states [B, Tb, H] in the padded layout (`padded`), from a replayed
+    graph when `use_graphs` (and the call is a training forward with grad, or a no-grad forward), else eager."""
+    ids, mask = padded(ids, attn, length)
     training = torch.is_grad_enabled()
     if training and not model.training:
         use_graphs = False  # an eval-mode forward with grad (nothing of ours): eager
@@ -104,19 +126,33 @@ def hidden(model, inner, ids: torch.Tensor, attn: torch.Tensor, use_graphs: bool
     graphs = model.__dict__.setdefault("_opd_graphs", {})
     where = params_at(inner)
     if graphs.get("params") != where:  # moved (or first use): captured addresses are stale
-        graphs.clear()
+        if graphs:
+            _release(graphs)
         graphs["params"] = where
     key = ("train" if training else "infer", bool(model.training), *ids.shape)
     g = graphs.pop(key, None)
     if g is None:
         shapes = [k for k in graphs if k != "params"]
         if len(shapes) >= KEEP:
-            graphs.pop(shapes[0])  # least recently used (dict order: re-inserted on every use)
+            _release({shapes[0]: graphs.pop(shapes[0])})  # least recently used (dict order: re-inserted on use)
+        before = getattr(model, "_opd_before_capture", None)
+        if before:  # a background publish's device sync in another thread would invalidate the capture
+            before()
         g = (_capture_training if training else _capture_inference)(inner, ids, mask)
     graphs[key] = g
     return g(ids, mask)
 
 
+def _release(held: dict) -> None:
+    """Free graphs and their pools now: a make_graphed_callables module refers to itself (its forward
+    is a closure over it), so only the cycle collector frees it, and until then its pool keeps the
+    saved activations on the device."""
+    held.clear()
+    gc.collect()
+
+
 def drop(model) -> None:
-    """Release a model's graphs and their memory pools."""
-    model.__dict__.pop("_opd_graphs", None)
+    """Release a model's graphs and their memory pools (memory.move, before a role leaves the device)."""
+    held = model.__dict__.pop("_opd_graphs", None)
+    if held:
+        _release(held)

@@ -59,12 +59,14 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
                         "train.activation_checkpointing", "student.quant", "student.double_quant") + RUNTIME,
           ("policy", "rollout", "score", "student"), "train"),
     # evaluate 2: eval.json adds the answers (non-blank share, distinct bigrams) and the side-by-side samples
-    Stage("evaluate", 2, ("eval", "train.updates") + RUNTIME,
+    Stage("evaluate", 2, ("eval", "train.updates", "rollout.cuda_graphs") + RUNTIME,
           ("initial", "final", "prompts", "teacher", "teacher_adapter", "student"), "evaluate"),
-    Stage("tooleval", 1, ("env.max_turns", "env.max_tokens_per_turn") + RUNTIME,
+    Stage("tooleval", 1, ("env.max_turns", "env.max_tokens_per_turn", "rollout.cuda_graphs") + RUNTIME,
           ("policy", "policy_stage", "tasks", "student"), None),
-    # probe 2: peaks exclude what the process held on the device before the probe loaded its models
-    Stage("probe", 2, ("lora.r", "lora.target_modules", "objective", "memory.vram_gib"), (), None),
+    # probe 2: peaks exclude what the process held on the device before the probe loaded its models;
+    # 3: the score and update forwards replay CUDA graphs (runtime.cuda_graphs)
+    Stage("probe", 3, ("lora.r", "lora.target_modules", "objective", "memory.vram_gib", "runtime.cuda_graphs"),
+          (), None),
 )}
 # the training loop itself (stages/train.py) reads how many updates to run
 DRIVER_READS = {"train": ("train.updates",)}
@@ -220,10 +222,9 @@ class Chain:
         if key not in self._memo:
             c = reads(self.cfg, "rollout")
             s = slice_of(c, "rollout", "data.max_prompt_tokens", "data.truncation")
-            rt = self.runtime()
-            if rt.get("device") != "cuda":  # CPU never captures a graph: not part of its identity. On CUDA
-                s["rollout"].pop("cuda_graphs")  # it is: cuBLAS may choose another algorithm under capture
-            s.update(step=k, runtime=rt)
+            if self.runtime().get("device") != "cuda":  # CPU never captures a graph: not part of its
+                s["rollout"].pop("cuda_graphs")  # identity; on CUDA cuBLAS may choose otherwise under capture
+            s.update(step=k, runtime=self.runtime())
             s.update(quant(c, "student"))
             if c.student.quant == "nf4":  # sampled by the engine from a dense copy (no longer transformers')
                 s["engine"] = "nf4-dequantized"
@@ -264,10 +265,16 @@ class Chain:
                 "student": self.prepared["student"]})
         return self._memo[key]
 
+    def _engine_graphs(self, c) -> dict:
+        """On CUDA, whether the rollout engine runs captured graphs (their kernels may round otherwise
+        than eager); nothing on CPU, whose digests stay as they were."""
+        return {"rollout.cuda_graphs": c.rollout.cuda_graphs} if self.runtime().get("device") == "cuda" else {}
+
     def evaluate(self) -> str:
         c = reads(self.cfg, "evaluate")
         s = slice_of(c, "eval")
         s["runtime"] = self.runtime()
+        s.update(self._engine_graphs(c))  # it samples greedy answers with the rollout engine
         K = c.train.updates
         return make("evaluate", s, {"initial": self.policy(0), "final": self.policy(K),
                                     "prompts": self.prepared["prompts"], **self.teacher_inputs(),
@@ -276,7 +283,8 @@ class Chain:
     def tooleval(self, stage: str, policy: str) -> str:
         """Greedy held-out episodes of the student adapter published by (stage, policy)."""
         e = reads(self.cfg, "tooleval").env
-        s = {"max_turns": e.max_turns, "max_tokens_per_turn": e.max_tokens_per_turn, "runtime": self.runtime()}
+        s = {"max_turns": e.max_turns, "max_tokens_per_turn": e.max_tokens_per_turn, "runtime": self.runtime(),
+             **self._engine_graphs(reads(self.cfg, "tooleval"))}
         return make("tooleval", s, {"policy": policy, "policy_stage": stage, "tasks": self.prepared["tasks_test"],
                                     "student": self.prepared["student"]})
 

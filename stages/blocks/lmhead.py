@@ -89,8 +89,9 @@ def hidden(model, p: Packed) -> torch.Tensor:
     eager = compiled == "training" and not getattr(model, "training", False)
 
     def forward():
-        if p.ids.device.type == "cuda":
-            return graphs.hidden(base, base.model, p.ids, p.attn, getattr(base, "_opd_use_graphs", False))
+        if p.ids.device.type == "cuda" and graphs.layout_ok(base):
+            return graphs.hidden(base, base.model, p.ids, p.attn, getattr(base, "_opd_use_graphs", False),
+                                 getattr(base, "_opd_forward_length", 0))
         return base.model(input_ids=p.ids, attention_mask=p.attn, use_cache=False).last_hidden_state
 
     with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():

@@ -121,7 +121,7 @@ def shared_teacher(sess) -> SharedTeacher:
 def move(model, device: torch.device) -> None:
     """Move a role (parameters, buffers and gradients: Module.to carries .grad) to `device`."""
     target = model.peft if isinstance(model, SharedTeacher) else model
-    graphs.drop(models.base_of(target))  # captured at the old addresses (and their pools freed with them)
+    graphs.drop(models.base_of(target))  # captured at the old addresses: freed (pools too) before the move
     target.to(device)
 
 

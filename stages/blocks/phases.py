@@ -108,11 +108,13 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
                         3 * big * 4, False))
     teach = [("teacher", "weights: the student's base (shared, counted once)", 0, False)] if shared else \
         [("teacher", f"weights ({_label(tq, tdq, x.dtype)})", weight_bytes(T, tq, tdq, s), False)]
-    # CUDA graphs of the teacher-forced forwards (stages/blocks/graphs.py): each graph's pool keeps
-    # its forward's memory at fixed addresses while the role stays on the device, so every phase
-    # holds it; under swap a role's graphs go with each move (its own phase holds what eager does)
+    # CUDA graphs of the teacher-forced forwards (stages/blocks/graphs.py; the conditions of
+    # Session.graphed_forwards): each graph's pool keeps its forward's memory at fixed addresses while
+    # the role stays on the device, so every phase holds it; under swap a role's graphs are freed
+    # before each move (its own phase holds about what eager does: the capture's passes, one at a time)
+    env = getattr(cfg, "env", None)
     graphed = x.device == "cuda" and getattr(cfg.runtime, "cuda_graphs", False) and not moves \
-        and not getattr(cfg.runtime, "compile_layers", False)
+        and not getattr(cfg.runtime, "compile_layers", False) and not (env is not None and env.name)
     t_fwd = forward_bytes(T, t, s) + t * T.hidden * s  # the teacher's forward activations + hidden states
     a, scratch = saved_per_token_layer(S, cfg.lora, s), t * (2 * S.hidden + 3 * S.inter) * 4
     saved = t * (S.layers * a + 4 * S.hidden)  # the student's saved activations (update)
@@ -120,7 +122,8 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
         if graphed and tq == "none" else []
     s_pool = [("student", "captured update forward + backward (graph pool: saved activations + backward "
                "scratch)", saved + scratch, False)] \
-        if graphed and sq == "none" and not getattr(cfg.train, "activation_checkpointing", False) else []
+        if graphed and sq == "none" and not getattr(cfg.train, "activation_checkpointing", False) \
+        and not cfg.lora.dropout else []
     out: dict[str, list] = {}
 
     ro = stud + eng + ([] if moves else teach)

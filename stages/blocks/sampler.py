@@ -51,8 +51,11 @@ def supported(model) -> str | None:
 class Engine:
     """Sampling for one policy version: weights, static KV cache and captured graphs per bucket."""
 
-    def __init__(self, model, use_graphs: bool = True, compile: bool = False):
+    def __init__(self, model, use_graphs: bool = True, compile: bool = False, before_capture=None):
         self.model = model
+        # called before each capture: a background publish's device sync in another thread would
+        # invalidate it (Session passes the store's flush)
+        self.before_capture = before_capture or (lambda: None)
         self.W = decoder.sampling_weights(model)
         self.device = self.W["embed"].device
         self.use_graphs = use_graphs and self.device.type == "cuda"
@@ -62,7 +65,7 @@ class Engine:
         base = models.base_of(model)
         self.nf4 = any(decoder.is_nf4(m) for m in base.model.layers.modules() if isinstance(m, torch.nn.Linear))
         self._refresh = None  # (parameter addresses, the captured LoRA re-merge)
-        if self.use_graphs and not self.nf4:
+        if self.use_graphs and not self.nf4 and any(_adapted(base.model)):
             self.refresh()  # the weights as every later version gets them: from the captured merge
 
     @torch.no_grad()
@@ -75,11 +78,12 @@ class Engine:
         an uninterrupted one refreshed to. (An NF4 base is merged eager: bitsandbytes'
         dequantization is not captured.)"""
         inner = models.base_of(model or self.model).model
-        if not self.use_graphs or self.nf4:
+        if not self.use_graphs or self.nf4 or not any(_adapted(inner)):  # (nothing to capture without LoRA)
             return self._merge(inner)
         where = graphs.params_at(inner)
         if self._refresh is not None and self._refresh[0] == where:
             return self._refresh[1].replay()
+        self.before_capture()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -93,18 +97,13 @@ class Engine:
 
     def _merge(self, inner) -> None:
         dt = self.W["dtype"]
-        for layer, w in zip(inner.layers, self.W["layers"]):
-            a, m = layer.self_attn, layer.mlp
-            for name, mods in (("qkv", (a.q_proj, a.k_proj, a.v_proj)), ("o_proj", (a.o_proj,)),
-                               ("gate_up", (m.gate_proj, m.up_proj)), ("down_proj", (m.down_proj,))):
-                if not any(hasattr(mod, "base_layer") for mod in mods):
-                    continue  # no adapter on these projections: nothing changes between versions
-                row = 0
-                for mod in mods:
-                    merged = decoder.merged_weight(mod, dt)
-                    w[name][row:row + merged.shape[0]].copy_(merged)
-                    row += merged.shape[0]
-                    del merged
+        for i, name, mods in _adapted(inner):
+            row = 0
+            for mod in mods:
+                merged = decoder.merged_weight(mod, dt)
+                self.W["layers"][i][name][row:row + merged.shape[0]].copy_(merged)
+                row += merged.shape[0]
+                del merged
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new: int, *, eos: int, pad: int, seed: int,
@@ -184,6 +183,7 @@ class Engine:
         """Capture `step` once per (batch, prompt bucket, length, sampling settings); replay after."""
         g = self.graphs.get(key)
         if g is None:
+            self.before_capture()
             snap = {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
@@ -220,6 +220,17 @@ class Engine:
         st.clear()
         st.update(g["st"])
         return g["graph"].replay
+
+
+def _adapted(inner):
+    """(layer index, sampling-weight name, its projections) wherever a LoRA adapter sits: only those
+    change between policy versions. None for a model without LoRA (the teacher, a shared teacher's view)."""
+    for i, layer in enumerate(inner.layers):
+        a, m = layer.self_attn, layer.mlp
+        for name, mods in (("qkv", (a.q_proj, a.k_proj, a.v_proj)), ("o_proj", (a.o_proj,)),
+                           ("gate_up", (m.gate_proj, m.up_proj)), ("down_proj", (m.down_proj,))):
+            if any(hasattr(mod, "base_layer") for mod in mods):
+                yield i, name, mods
 
 
 def _cache_kwarg(model) -> str:
@@ -271,10 +282,10 @@ def hf_generate(model, prompts, max_new, *, eos, pad, seed, temperature=1.0, top
     return Rollout(out, lps, lengths, done)
 
 
-def make(model, use_graphs: bool, compile: bool = False):
+def make(model, use_graphs: bool, compile: bool = False, before_capture=None):
     """Engine for `model`, or None (with a one-line warning) when the fast path cannot run it."""
     why = supported(model)
     if why:
         print(f"warning: rollout uses the transformers fallback: {why}", file=sys.stderr)
         return None
-    return Engine(model, use_graphs, compile)
+    return Engine(model, use_graphs, compile, before_capture)

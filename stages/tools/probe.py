@@ -25,7 +25,8 @@ def identity(cfg, est: dict) -> dict:
     return {"models": est["models"], "workload": est["workload"], "placement": est["placement"]["chosen"],
             "lora": {"r": cfg.lora.r, "target_modules": sorted(cfg.lora.target_modules)},
             "objective": {"needs": sorted(objectives.needs(cfg.objective)), "topk": cfg.objective.topk},
-            "dtype": est["dtype"], "vram_gib": cfg.memory.vram_gib, "env": models.env_versions()}
+            "dtype": est["dtype"], "vram_gib": cfg.memory.vram_gib, "forward_graphs": cfg.runtime.cuda_graphs,
+            "env": models.env_versions()}
 
 
 def run(cfg, est: dict) -> dict:

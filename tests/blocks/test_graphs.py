@@ -53,3 +53,18 @@ def test_padded_forward_equals_the_unpadded_one_at_real_positions(seed, monkeypa
     numerics.check(got_plain, ref_plain, b_plain, "unpadded forward")
     # one exact value: the pads are never attended by a real position (float64 rounding apart)
     numerics.check(ref_pad, ref_plain, (b_pad + b_plain) * numerics.U64 / numerics.U32, "padded vs unpadded, exact")
+
+
+def test_padded_length_is_the_runs_unless_the_input_is_longer():
+    ids, attn = torch.ones(2, 70, dtype=torch.long), torch.ones(2, 70, dtype=torch.long)
+    assert graphs.padded(ids, attn, length=192)[0].shape == (2, 192)  # the run's length: one shape all run
+    assert graphs.padded(ids, attn, length=64)[0].shape == (2, 128)  # longer: its own bucket multiple
+    assert graphs.bucket(192) == 192 and graphs.bucket(193) == 256
+
+
+def test_the_layout_is_for_llama_family_models_on_sdpa_only():
+    assert graphs.layout_ok(tiny())  # Llama on SDPA: the explicit boolean mask is what SDPA takes
+    eager = tiny()
+    eager.config._attn_implementation = "eager"  # eager attention would add a boolean mask as 0/1
+    assert not graphs.layout_ok(eager)
+    assert not graphs.layout_ok(tiny(model_type="mistral"))  # (its sliding window would be lost)

@@ -68,6 +68,10 @@ def test_a_digest_changes_with_each_key_its_stage_reads_and_no_other():
     on, off = (identity.Chain(config.compose(BASE + extra, ROOT / "conf"), lambda: dict(cuda), PREP)
                for extra in ([], ["rollout.cuda_graphs=false"]))
     assert on.rollout(1) != off.rollout(1) and on.init() == off.init()
+    assert on.evaluate() != off.evaluate()  # evaluation samples with the same engine
+    cpu_on, cpu_off = (identity.Chain(config.compose(BASE + extra, ROOT / "conf"), lambda: dict(RUNTIME), PREP)
+                       for extra in ([], ["rollout.cuda_graphs=false"]))
+    assert cpu_on.evaluate() == cpu_off.evaluate()
 
 
 def test_undeclared_reads_are_refused():

@@ -56,11 +56,9 @@ def _first_line(err: str) -> str:
 def table(path: Path) -> str:
     r = json.loads(path.read_text())
     a = r["workloads"]["a"]
+    arm = {s["name"].removeprefix("opd-stages-"): s for s in a["systems"] if s["name"].startswith("opd-stages-")}
     ours = next(s for s in a["systems"] if s["name"] == "opd-stages")
-    ckpt = next((s for s in a["systems"] if s["name"] == "opd-stages-ckpt"), None)
-    eager = next((s for s in a["systems"] if s["name"] == "opd-stages-eager"), None)
-    nographs = next((s for s in a["systems"] if s["name"] == "opd-stages-nographs"), None)
-    nf4 = next((s for s in a["systems"] if s["name"] == "opd-stages-nf4"), None)
+    ckpt, eager, nographs, nf4 = (arm.get(k) for k in ("ckpt", "eager", "nographs", "nf4"))
     trl = _find(a["systems"], "TRL")
     mvs = [s for s in a["systems"] if s["name"].startswith("miniVERL")]
     pa = ours["peak_allocated_gib"]

@@ -399,6 +399,16 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# our arms beside the default: overrides, and the seconds one needs before the deadline
+OURS_ARMS = {
+    "nographs": (("runtime.cuda_graphs=false",), 45),  # score and update forwards eager (what the graphs save)
+    "layers": (("runtime.compile_layers=true",), 60),  # compiled decoder layers for update and score (long runs)
+    "eager": (("runtime.compile=false",), 45),  # the decode step without torch.compile (the fallback path)
+    "ckpt": (("train.activation_checkpointing=true",), 45),  # one more forward for less update-phase memory
+    "nf4": (("student.quant=nf4", "teacher.quant=nf4"), 45),  # QLoRA: NF4 student (LoRA on it) and teacher
+}
+
+
 def run_system(fn, name: str, deadline: float, need_s: float, *a, **kw):
     """One system; its failure (or no time left before the deadline) is recorded, not fatal."""
     left = deadline - time.perf_counter()
@@ -482,21 +492,10 @@ def main(argv=None) -> int:
         ours_arms = args.ours.split(",")
         if "default" in ours_arms:  # first: the ratios are against it
             add(run_system(ours_pipeline, "opd-stages", deadline, 60, w, work, tok, py, args.profile))
-        if "nographs" in ours_arms:  # score and update forwards eager (what the graphs save)
-            add(run_system(ours_pipeline, "opd-stages-nographs", deadline, 45, w, work, tok, py, None,
-                           ("runtime.cuda_graphs=false",), "opd-stages-nographs"))
-        if "layers" in ours_arms:  # + compiled decoder layers for update and score (opt-in: long runs)
-            add(run_system(ours_pipeline, "opd-stages-layers", deadline, 60, w, work, tok, py, None,
-                           ("runtime.compile_layers=true",), "opd-stages-layers"))
-        if "eager" in ours_arms:  # the decode step without torch.compile (the fallback path)
-            add(run_system(ours_pipeline, "opd-stages-eager", deadline, 45, w, work, tok, py, None,
-                           ("runtime.compile=false",), "opd-stages-eager"))
-        if "ckpt" in ours_arms:  # the same pipeline trading one extra forward for update-phase memory
-            add(run_system(ours_pipeline, "opd-stages-ckpt", deadline, 45, w, work, tok, py, None,
-                           ("train.activation_checkpointing=true",), "opd-stages-ckpt"))
-        if "nf4" in ours_arms and not args.smoke:  # QLoRA: NF4 student (LoRA on it) and NF4 teacher
-            add(run_system(ours_pipeline, "opd-stages-nf4", deadline, 45, w, work, tok, py, None,
-                           ("student.quant=nf4", "teacher.quant=nf4"), "opd-stages-nf4"))
+        for arm, (over, need) in OURS_ARMS.items():
+            if arm in ours_arms and not (args.smoke and arm == "nf4"):  # (bitsandbytes on CUDA only here)
+                add(run_system(ours_pipeline, f"opd-stages-{arm}", deadline, need, w, work, tok, py, None, over,
+                               f"opd-stages-{arm}"))
         if "trl" in peers and not args.smoke:
             add(run_system(trl_peer, "TRL 1.16 DistillationTrainer", deadline, 60, w, work, py, seed))
         if "miniverl" in peers:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .blocks import adapters, graphs, hostmem, identity, memory, models, plan, reproducible, sampler
+from .blocks import adapters, graphs, hostmem, identity, memory, models, phases, plan, reproducible, sampler
 from .blocks.config import Config, logit_temperature
 from .blocks.errors import UserError
 from .blocks.store import Store, link, seed_of, write_json
@@ -60,14 +60,14 @@ class Session:
                 print("runtime.compile_layers: the student's decoder layers compile at the first update "
                       "(about a minute on a cold compile cache)", file=sys.stderr, flush=True)
                 models.compile_layers(self._student, training=True)
-            self._graph_forwards(self._student, self.cfg.student)
+            self._graph_forwards(self._student, "student")
         self._on_device("student")
         return self._student
 
     def teacher(self):
         if self._teacher is None and self.placement == "shared_backbone":
             self._teacher = memory.shared_teacher(self)  # the student's base, its LoRA disabled: one copy
-            self._graph_forwards(self._teacher, self.cfg.teacher)  # (on its view: not the student's setting)
+            self._graph_forwards(self._teacher, "teacher")  # (on its view: not the student's setting)
         if self._teacher is None:
             teacher = models.load(self.model_dir("teacher"), self.cfg.teacher, self.device, self.dtype)
             if self.cfg.teacher_mode == "protocol_sft":  # base + the SFT teacher adapter, merged
@@ -79,23 +79,10 @@ class Session:
                 teacher = adapters.merged(teacher, d / "adapter", self.cfg.lora)
             if self.compiled_layers(self.cfg.teacher):
                 models.compile_layers(teacher, training=False)
-            self._graph_forwards(teacher, self.cfg.teacher)
+            self._graph_forwards(teacher, "teacher")
             self._teacher = teacher
         self._on_device("teacher")
         return self._teacher
-
-    def graphed_forwards(self, mcfg) -> bool:
-        """A model's teacher-forced forwards replay CUDA graphs (stages/blocks/graphs.py):
-        runtime.cuda_graphs on CUDA, dense weights, no activation checkpointing and no compiled
-        layers (each has its own kernels to replay or not), no LoRA dropout (a capture's warm-up
-        passes would draw from the generator the update seeds), single-turn prompts (one padded
-        length for the run: multi-turn episodes vary, and a capture mid-run could meet the publish
-        thread's device sync). Not the placement: it changes nothing computed (swap drops a role's
-        graphs when it moves and captures them again; the shared backbone's teacher view keeps its own)."""
-        student = mcfg is self.cfg.student
-        return (self.device.type == "cuda" and self.cfg.runtime.cuda_graphs and not self.cfg.env.name
-                and mcfg.quant == "none" and not self.compiled_layers(mcfg)
-                and not (student and (self.cfg.train.activation_checkpointing or self.cfg.lora.dropout)))
 
     def forward_length(self) -> int:
         """CUDA: the padded length of every teacher-forced forward (stages/blocks/graphs.py): the
@@ -103,9 +90,9 @@ class Session:
         (multi-turn episodes, evaluation's longer answers) pad to their own multiple of the bucket."""
         return graphs.bucket(self.cfg.data.max_prompt_tokens + self.cfg.rollout.max_new_tokens)
 
-    def _graph_forwards(self, model, mcfg) -> None:
+    def _graph_forwards(self, model, role: str) -> None:
         base = models.base_of(model)
-        base.__dict__["_opd_use_graphs"] = self.graphed_forwards(mcfg)
+        base.__dict__["_opd_use_graphs"] = role in phases.graphed_roles(self.cfg, self.device.type)
         base.__dict__["_opd_forward_length"] = self.forward_length()
         base.__dict__["_opd_before_capture"] = self.store.flush  # (graphs.hidden: as the engine's)
 
@@ -243,7 +230,7 @@ class Session:
             s["decode"] = "compiled"
         if self.device.type == "cuda":  # teacher-forced forwards in the padded layout (stages/blocks/graphs.py),
             s["forwards"] = f"padded-to-{self.forward_length()}"  # replayed from graphs for these roles (cuBLAS may
-            g = [r for r in ("student", "teacher") if self.graphed_forwards(getattr(self.cfg, r))]
+            g = sorted(phases.graphed_roles(self.cfg, "cuda"), reverse=True)  # ["student", "teacher"] as before
             if g:  # choose another algorithm under capture: graph and eager need not agree to the bit)
                 s["forward_graphs"] = g
         if self.compiled_layers(self.cfg.student) or self.compiled_layers(self.cfg.teacher):

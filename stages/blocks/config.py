@@ -150,7 +150,7 @@ class RuntimeCfg:
     # (~80 s more before the first update on a cold compile cache): worth it for long runs only
     compile_layers: bool = False
     # CUDA: the teacher-forced forwards (score; the update's forward and backward) replay captured
-    # CUDA graphs (stages/blocks/graphs.py; Session.graphed_forwards says for which models): the
+    # CUDA graphs (stages/blocks/graphs.py; phases.graphed_roles says for which models): the
     # host no longer launches each kernel. The update's graph keeps its activations allocated
     # between updates (`opd plan` counts them; false: eager, that memory freed after each update)
     cuda_graphs: bool = True

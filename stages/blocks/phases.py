@@ -34,6 +34,23 @@ ENV_TOOL_TOKENS = 32  # assumed tokens of one tool message per turn (env rollout
 FORWARD_BUCKET = 64  # CUDA: teacher-forced forwards run right-padded to a multiple of this (stages/blocks/graphs.py)
 
 
+def graphed_roles(cfg, device: str) -> set[str]:
+    """The roles whose teacher-forced forwards replay CUDA graphs (stages/blocks/graphs.py; the plan
+    and Session both ask here): runtime.cuda_graphs on CUDA, single-turn prompts (one padded length
+    for the run: multi-turn episodes vary, and a capture mid-run could meet the publish thread's
+    device sync), no compiled layers (their own kernels), dense weights (bitsandbytes is not
+    captured); the student also without activation checkpointing and without LoRA dropout (a
+    capture's warm-up passes would draw from the generator the update seeds). Not the placement: it
+    changes nothing computed (swap frees a role's graphs before it moves and captures them again)."""
+    env = getattr(cfg, "env", None)
+    if device != "cuda" or not cfg.runtime.cuda_graphs or cfg.runtime.compile_layers or (env is not None and env.name):
+        return set()
+    roles = {"teacher"} if cfg.teacher.quant == "none" else set()
+    if cfg.student.quant == "none" and not cfg.train.activation_checkpointing and not cfg.lora.dropout:
+        roles.add("student")
+    return roles
+
+
 # ---- the workload and the phases ----
 
 @dataclass
@@ -108,22 +125,19 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
                         3 * big * 4, False))
     teach = [("teacher", "weights: the student's base (shared, counted once)", 0, False)] if shared else \
         [("teacher", f"weights ({_label(tq, tdq, x.dtype)})", weight_bytes(T, tq, tdq, s), False)]
-    # CUDA graphs of the teacher-forced forwards (stages/blocks/graphs.py; the conditions of
-    # Session.graphed_forwards): each graph's pool keeps its forward's memory at fixed addresses while
-    # the role stays on the device, so every phase holds it; under swap a role's graphs are freed
-    # before each move (its own phase holds about what eager does: the capture's passes, one at a time)
-    env = getattr(cfg, "env", None)
-    graphed = x.device == "cuda" and getattr(cfg.runtime, "cuda_graphs", False) and not moves \
-        and not getattr(cfg.runtime, "compile_layers", False) and not (env is not None and env.name)
+    # CUDA graphs of the teacher-forced forwards: each graph's pool keeps its forward's memory at
+    # fixed addresses while the role stays on the device, so every phase holds it; under swap a role's
+    # graphs are freed before each move (its own phase holds about what eager does: the capture's
+    # passes, one at a time)
+    graphed = set() if moves else graphed_roles(cfg, x.device)
     t_fwd = forward_bytes(T, t, s) + t * T.hidden * s  # the teacher's forward activations + hidden states
     a, scratch = saved_per_token_layer(S, cfg.lora, s), t * (2 * S.hidden + 3 * S.inter) * 4
     saved = t * (S.layers * a + 4 * S.hidden)  # the student's saved activations (update)
     t_pool = [("teacher", "captured scoring forward (graph pool: activations + hidden states)", t_fwd, False)] \
-        if graphed and tq == "none" else []
+        if "teacher" in graphed else []
     s_pool = [("student", "captured update forward + backward (graph pool: saved activations + backward "
                "scratch)", saved + scratch, False)] \
-        if graphed and sq == "none" and not getattr(cfg.train, "activation_checkpointing", False) \
-        and not cfg.lora.dropout else []
+        if "student" in graphed else []
     out: dict[str, list] = {}
 
     ro = stud + eng + ([] if moves else teach)

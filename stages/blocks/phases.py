@@ -3,9 +3,9 @@ placement, in bytes, from the models' shapes and our config (weight-free; stages
 
 What each phase holds (steady state, step >= 2; bytes; s = bytes of the compute dtype):
   rollout  student weights + LoRA (fp32) + the engine's weights (s) + static KV cache
-           2 * layers * B * kv_heads * (prompt_bucket + max_new) * head_dim * s (with CUDA graphs
-           twice: the captured step's static copy stays, each call prefills a fresh one) + prefill
-           activations B * P * (2H + 3I) * s + attention scores + sampling buffers [B, V] fp32
+           2 * layers * B * kv_heads * (prompt_bucket + max_new) * head_dim * s + prefill
+           activations B * P * (2H + 3I) * s + attention scores + sampling buffers [B, V] fp32 (with
+           CUDA graphs all of it in the captured prefill's and decode step's one pool, which stays)
   score    teacher weights + forward activations t * max(2H + 3I, 2H + 5 q_dim) * s + hidden
            states + one chunk of logits: 3 * chunk * V * 4 (log_softmax, exp, product for entropy)
   update   student weights + LoRA + grads (fp32) + saved activations t * (layers * a + 4H)
@@ -117,9 +117,11 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
             + ("; every projection dequantized from NF4)" if sq == "nf4" else ")"),
             engine_copy_bytes(S, cfg.lora, s, dense=sq == "nf4"), False)] if x.engine else []
     big = max(i * o for i, o in S.proj().values())
-    if x.engine and w["cuda_graphs"]:  # the captured decode step keeps its static state and pool
-        eng.append(("student", f"captured decode graph: static KV cache [{S.layers}, {B}, {S.kv_heads}, {L}, "
-                    f"{S.head_dim}] x2 + pool", kv + pick + gqa + B * (2 * S.hidden + 3 * S.inter) * s, False))
+    prefill = B * Pb * (2 * S.hidden + 3 * S.inter) * s + 2 * B * S.heads * Pb * L * 4 + gqa  # activations + scores
+    if x.engine and w["cuda_graphs"]:  # the captured prefill and decode step keep their static state and pool
+        eng.append(("student", f"captured prefill + decode graphs (one pool): static KV cache [{S.layers}, {B}, "
+                    f"{S.kv_heads}, {L}, {S.head_dim}] x2 + the larger of the two scratches",
+                    kv + pick + max(prefill, gqa + B * (2 * S.hidden + 3 * S.inter) * s), False))
         if sq != "nf4" and not moves:  # the captured LoRA re-merge (sampler.Engine.refresh) keeps its scratch
             eng.append(("student", "captured LoRA re-merge (graph pool: fp32 merge of one projection)",
                         3 * big * 4, False))
@@ -144,11 +146,10 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     if x.engine:
         if moves:  # the engine is rebuilt inside each rollout: fp32 scratch of one merge
             ro.append(("student", "engine build scratch (fp32 merge of one projection)", 3 * big * 4, True))
-        ro += [("student", f"KV cache of this call [{S.layers}, {B}, {S.kv_heads}, {L}, {S.head_dim}] x2"
-                + (" (copied into the graph's)" if w["cuda_graphs"] else ""), kv, False),
-               ("student", f"prefill activations ({B} x {Pb} tokens) + attention scores",
-                B * Pb * (2 * S.hidden + 3 * S.inter) * s + 2 * B * S.heads * Pb * L * 4 + gqa, True),
-               ("student", "sampling buffers [B, V] fp32", pick, True)]
+        if not w["cuda_graphs"]:  # (with graphs: the captured state and pool above)
+            ro += [("student", f"KV cache of this call [{S.layers}, {B}, {S.kv_heads}, {L}, {S.head_dim}] x2", kv, False),
+                   ("student", f"prefill activations ({B} x {Pb} tokens) + attention scores", prefill, True),
+                   ("student", "sampling buffers [B, V] fp32", pick, True)]
     else:  # transformers fallback: dynamic cache, LoRA unmerged, logits of every prompt position
         ro += [("student", f"KV cache (dynamic) [{S.layers}, {B}, {S.kv_heads}, {P + N}, {S.head_dim}] x2",
                 2 * S.layers * B * S.kv_heads * (P + N) * S.head_dim * s, False),

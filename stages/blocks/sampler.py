@@ -1,5 +1,6 @@
-"""The rollout engine: batched sampling with a static KV cache and, on CUDA, a captured CUDA graph
-of the decode step, so no per-token Python dispatch remains. The same code runs on CPU (eager).
+"""The rollout engine: batched sampling with a static KV cache and, on CUDA, captured CUDA graphs of
+the prefill and of the decode step, so no per-token (or per-layer) Python dispatch remains. The same
+code runs on CPU (eager).
 
 It runs the functional decoder of `decoder.py` over weights with the LoRA merged once per policy
 version. An NF4 base (QLoRA) is sampled from a dense copy of its weights, LoRA merged: the
@@ -110,117 +111,127 @@ class Engine:
     def generate(self, prompts: list[list[int]], max_new: int, *, eos: int, pad: int, seed: int,
                  temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
                  min_new: int = 0) -> Rollout:
-        W, dev = self.W, self.device
         B = len(prompts)
         P = max(len(p) for p in prompts)
         if self.use_graphs:
             P = -(-P // 16) * 16  # bucket the prompt length so graphs are reused across batches
-        L = P + max_new
         # inputs are built on the host and sent without blocking (a blocking copy per prompt row
         # would wait for the device each time)
-        pad_len = torch.tensor([P - len(p) for p in prompts]).to(dev, non_blocking=True)  # left padding
         ids = torch.full((B, P), pad, dtype=torch.long)
         for b, p in enumerate(prompts):
-            ids[b, P - len(p):] = torch.tensor(p)
-        ids = ids.to(dev, non_blocking=True)
+            ids[b, P - len(p):] = torch.tensor(p)  # left padding
         g = torch.Generator(device="cpu").manual_seed(seed)
-        u = torch.rand(max_new, B, generator=g).to(dev, non_blocking=True)  # [N, B] one uniform per draw
+        inp = {"ids": ids, "pad_len": torch.tensor([P - len(p) for p in prompts]),
+               "u": torch.rand(max_new, B, generator=g)}  # u [N, B]: one uniform per draw
+        how = (max_new, temperature, top_p, greedy, min_new, eos, pad)
+        if self.use_graphs and max_new > 1:  # (one new token: prefill only, nothing to replay)
+            st, run = self._graphed(inp, how)
+        else:
+            st = self._prefill({k: v.to(self.device, non_blocking=True) for k, v in inp.items()}, how)
+            run = lambda: self._step(st, how)  # noqa: E731
+        for i in range(1, max_new):
+            # one host sync per 8 steps, and none while min_new keeps every sequence going
+            if i % 8 == 0 and i > min_new and bool(st["done"].all()):
+                break
+            run()
+        done, out, lps = st["done"], st["out"], st["lp"]
+        is_eos = out == eos
+        first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full((B,), max_new, device=self.device))
+        lengths = torch.where(done, first + 1, torch.full_like(first, max_new))
+        return Rollout(*_to_host(out, lps.float(), lengths, done))  # one sync for all four
 
-        shape = (W["n_layers"], B, W["n_kv"], L, W["head_dim"])
-        ck = torch.zeros(shape, dtype=W["dtype"], device=dev)
+    def _prefill(self, inp: dict, how: tuple) -> dict:
+        """The prompts' forward into a fresh static KV cache and the first draw: the state the
+        decode step reads and updates in place. inp: ids [B, P] (left-padded), pad_len [B], u [N, B]."""
+        W, dev = self.W, self.device
+        max_new, temperature, top_p, greedy, min_new, eos, pad = how
+        ids, pad_len, u = inp["ids"], inp["pad_len"], inp["u"]
+        B, P = ids.shape
+        L = P + max_new
+        ck = torch.zeros((W["n_layers"], B, W["n_kv"], L, W["head_dim"]), dtype=W["dtype"], device=dev)
         cv = torch.zeros_like(ck)
         keys = torch.arange(L, device=dev)
-        # prefill: causal over the padded block, pads never attended
+        # causal over the padded block, pads never attended
         qpos = torch.arange(P, device=dev)
         valid = (keys[None, None, :] <= qpos[None, :, None]) & (keys[None, None, :] >= pad_len[:, None, None])
         valid |= (qpos[None, :, None] < pad_len[:, None, None]) & (keys[None, None, :] == qpos[None, :, None])
         pos = (qpos[None, :] - pad_len[:, None]).clamp_min(0)
         h = decoder.forward(W, ids, pos, ck, cv, qpos, valid)[:, -1]  # [B, H]
         logits = F.linear(h, W["head"])
-        block = torch.full((B,), min_new > 0, device=dev)
-        tok, lp = decoder.pick(logits, u[0], temperature, top_p, greedy, block if min_new > 0 else None, eos)
+        block = torch.full((B,), min_new > 0, device=dev) if min_new > 0 else None
+        tok, lp = decoder.pick(logits, u[0], temperature, top_p, greedy, block, eos)
+        out = torch.full((B, max_new), pad, dtype=torch.long, device=dev)
+        lps = torch.zeros(B, max_new, device=dev)
+        out[:, 0], lps[:, 0] = tok, lp
+        return {"tok": tok.clone(), "slot": torch.full((1,), P, device=dev), "step": torch.full((1,), 1, device=dev),
+                "done": tok == eos, "out": out, "lp": lps, "u": u, "ck": ck, "cv": cv, "pad_len": pad_len,
+                "keys": keys}
 
-        st = {  # static state the decode step reads and updates in place
-            "tok": tok.clone(), "slot": torch.full((1,), P, device=dev), "step": torch.full((1,), 1, device=dev),
-            "done": tok == eos, "out": torch.full((B, max_new), pad, dtype=torch.long, device=dev),
-            "lp": torch.zeros(B, max_new, device=dev), "u": u, "ck": ck, "cv": cv, "pad_len": pad_len,
-            "keys": keys,
-        }
-        st["out"][:, 0], st["lp"][:, 0] = tok, lp
+    def _step(self, st: dict, how: tuple) -> None:
+        """One decode step: the next token of every sequence, written into the state in place."""
+        W = self.W
+        max_new, temperature, top_p, greedy, min_new, eos, pad = how
+        B = st["tok"].shape[0]
+        slot, k = st["slot"], st["step"]
+        valid = ((st["keys"][None, :] >= st["pad_len"][:, None]) & (st["keys"][None, :] <= slot))[:, None]
+        h = decoder.forward(W, st["tok"][:, None], (slot - st["pad_len"])[:, None], st["ck"], st["cv"], slot, valid,
+                            decoder.compiled_layer() if self.compile else decoder.layer)
+        logits = F.linear(h[:, 0], W["head"])
+        blk = (k < min_new).expand(B) if min_new > 0 else None
+        t, l = decoder.pick(logits, st["u"].index_select(0, k.clamp_max(max_new - 1))[0], temperature, top_p,
+                            greedy, blk, eos)
+        t = torch.where(st["done"], torch.full_like(t, pad), t)
+        l = torch.where(st["done"], torch.zeros_like(l), l)
+        st["out"].index_copy_(1, k, t[:, None])
+        st["lp"].index_copy_(1, k, l[:, None])
+        st["done"] |= t == eos
+        st["tok"].copy_(t)
+        slot.add_(1)
+        k.add_(1)
 
-        def step():
-            slot, k = st["slot"], st["step"]
-            valid = ((st["keys"][None, :] >= st["pad_len"][:, None]) & (st["keys"][None, :] <= slot))[:, None]
-            h = decoder.forward(W, st["tok"][:, None], (slot - st["pad_len"])[:, None], st["ck"], st["cv"], slot, valid,
-                                 decoder.compiled_layer() if self.compile else decoder.layer)
-            logits = F.linear(h[:, 0], W["head"])
-            blk = (k < min_new).expand(B) if min_new > 0 else None
-            t, l = decoder.pick(logits, st["u"].index_select(0, k.clamp_max(max_new - 1))[0], temperature, top_p,
-                                greedy, blk, eos)
-            t = torch.where(st["done"], torch.full_like(t, pad), t)
-            l = torch.where(st["done"], torch.zeros_like(l), l)
-            st["out"].index_copy_(1, k, t[:, None])
-            st["lp"].index_copy_(1, k, l[:, None])
-            st["done"] |= t == eos
-            st["tok"].copy_(t)
-            slot.add_(1)
-            k.add_(1)
-
-        run = self._graph(step, st, (B, P, max_new, temperature, top_p, greedy, min_new)) \
-            if self.use_graphs and max_new > 1 else step  # (one new token: prefill only, no decode step)
-        for i in range(1, max_new):
-            # one host sync per 8 steps, and none while min_new keeps every sequence going
-            if i % 8 == 0 and i > min_new and bool(st["done"].all()):
-                break
-            run()
-        done = st["done"]
-        out, lps = st["out"], st["lp"]
-        is_eos = out == eos
-        first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full((B,), max_new, device=dev))
-        lengths = torch.where(done, first + 1, torch.full_like(first, max_new))
-        return Rollout(*_to_host(out, lps.float(), lengths, done))  # one sync for all four
-
-    def _graph(self, step, st, key):
-        """Capture `step` once per (batch, prompt bucket, length, sampling settings); replay after."""
+    def _graphed(self, inp: dict, how: tuple):
+        """This call's inputs into the captured graphs' static buffers, the prefill replayed: (the
+        static state, the decode step's replay). Captured once per (batch, prompt bucket, sampling
+        settings): the prefill and the decode step, sharing one memory pool (the prefill's scratch
+        is dead by the time a step runs; the state both use stays allocated). The KV cache lives
+        in that pool: no per-call cache, no copy of one."""
+        key = (*inp["ids"].shape, *how)
         g = self.graphs.get(key)
         if g is None:
-            self.before_capture()
-            snap = {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                try:
-                    for _ in range(2):
-                        step()  # warm-up: compilation, kernel selection and allocator pools before capture
-                except Exception as e:  # noqa: BLE001  no working compiler (Triton) here: the eager decode step
-                    if not self.compile:
-                        raise
-                    print(f"warning: runtime.compile: the compiled decode step failed ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:160]}); sampling with the eager step "
-                          "(runtime.compile=false skips the attempt)", file=sys.stderr)
-                    self.compile = False
-                    for k, v in snap.items():
-                        st[k].copy_(v)
-                    for _ in range(2):
-                        step()
-            torch.cuda.current_stream().wait_stream(s)
-            for k, v in snap.items():
-                st[k].copy_(v)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            for k, v in snap.items():
-                st[k].copy_(v)
-            g = {"graph": graph, "st": st}
-            self.graphs[key] = g
-            return graph.replay
-        # a cached graph reads its own static tensors: load this call's state into them
-        for k, v in st.items():
-            if torch.is_tensor(v):
-                g["st"][k].copy_(v)
-        st.clear()
-        st.update(g["st"])
-        return g["graph"].replay
+            g = self.graphs[key] = self._capture(inp, how)
+        for k, v in inp.items():
+            g["inp"][k].copy_(v, non_blocking=True)
+        g["prefill"].replay()
+        return g["st"], g["step"].replay
+
+    def _capture(self, inp: dict, how: tuple) -> dict:
+        self.before_capture()
+        static = {k: v.to(self.device) for k, v in inp.items()}  # the graphs' input buffers
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up off the capture: compilation, kernel choices, cuBLAS workspaces
+            try:
+                st = self._prefill(static, how)
+                for _ in range(2):
+                    self._step(st, how)
+            except Exception as e:  # noqa: BLE001  no working compiler (Triton) here: the eager decode step
+                if not self.compile:
+                    raise
+                print(f"warning: runtime.compile: the compiled decode step failed ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:160]}); sampling with the eager step "
+                      "(runtime.compile=false skips the attempt)", file=sys.stderr)
+                self.compile = False
+                st = self._prefill(static, how)
+                for _ in range(2):
+                    self._step(st, how)
+            del st
+        torch.cuda.current_stream().wait_stream(s)
+        prefill, step = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(prefill):
+            st = self._prefill(static, how)  # (captured, not run: its tensors are the static state)
+        with torch.cuda.graph(step, pool=prefill.pool()):  # replayed after the prefill, never alongside
+            self._step(st, how)
+        return {"inp": static, "st": st, "prefill": prefill, "step": step}
 
 
 def _adapted(inner):

@@ -32,17 +32,20 @@ def test_graph_replay_equals_eager_fp32(compile):
     m = with_trained_lora(tiny()).to("cuda")  # peaked distributions: a sampled token is not a coin flip
     g = sampler.Engine(m, use_graphs=True, compile=compile)
     e = sampler.Engine(m, use_graphs=False)
-    for seed in (0, 1):
+    other = [[1, 7, 8], [1, 300, 301, 302, 303, 304, 305], [1]]  # same batch and prompt bucket
+    for seed, prompts in ((0, PROMPTS), (1, PROMPTS), (2, other), (3, PROMPTS)):
         # the compiled step's logits differ from eager in the last bits (fused kernels), and an
         # inverse-CDF draw over ~50k tokens of a flat distribution lands on the neighbouring token
         # when a boundary moves by that much (seen on the H200: 13886 vs 13887, then diverged), so
         # it is compared greedily: the same argmax at every step, the same log-probs to ~1e-4.
         # Its sampling is checked against a teacher-forced recompute (test_sample_logprobs_...).
-        a = g.generate(PROMPTS, 24, eos=2, pad=2, seed=seed, greedy=compile)
-        b = e.generate(PROMPTS, 24, eos=2, pad=2, seed=seed, greedy=compile)
+        # (the prefill is replayed too: each call's prompts, padding and draws reach the static buffers)
+        a = g.generate(prompts, 24, eos=2, pad=2, seed=seed, greedy=compile)
+        b = e.generate(prompts, 24, eos=2, pad=2, seed=seed, greedy=compile)
         # same kernels family; cuBLAS may pick another algorithm under capture: ~1e-4 in fp32
         assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.logprobs, b.logprobs, atol=1e-3)
-    assert len(g.graphs) == 1  # one capture per bucket, replayed for the second call
+        assert torch.equal(a.lengths, b.lengths) and torch.equal(a.finished, b.finished)
+    assert len(g.graphs) == 1  # one capture per bucket, replayed for the later calls
     assert g.compile == compile  # the compiled step really ran (no silent fallback to eager)
 
 

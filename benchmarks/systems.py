@@ -184,9 +184,15 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile: Pat
     }
     out["peak_allocated_gib"]["overall"] = max(out["peak_allocated_gib"].values())
     out["peak_reserved_gib"]["overall"] = max(out["peak_reserved_gib"].values())
-    if profile:
-        out["profiled_phases_s"] = profile_steps(overrides, w["updates"], profile)
-        out["profiled_first_update_s"] = profile_first_update(w, work, tokenizer, python, extra, name, profile)
+    if profile:  # (a failure here is recorded beside the measurement above, which stands)
+        try:
+            out["profiled_phases_s"] = profile_steps(overrides, w["updates"], profile)
+            out["profiled_first_update_s"] = profile_first_update(w, work, tokenizer, python, extra, name, profile)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+            out["profile_error"] = f"{type(e).__name__}: {e}"[-2000:]
     return out
 
 

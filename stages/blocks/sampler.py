@@ -210,9 +210,10 @@ class Engine:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):  # warm-up off the capture: compilation, kernel choices, cuBLAS workspaces
+            warm = min(2, how[0] - 1)  # (steps past max_new would index outside the output buffers)
             try:
                 st = self._prefill(static, how)
-                for _ in range(2):
+                for _ in range(warm):
                     self._step(st, how)
             except Exception as e:  # noqa: BLE001  no working compiler (Triton) here: the eager decode step
                 if not self.compile:
@@ -222,7 +223,7 @@ class Engine:
                       "(runtime.compile=false skips the attempt)", file=sys.stderr)
                 self.compile = False
                 st = self._prefill(static, how)
-                for _ in range(2):
+                for _ in range(warm):
                     self._step(st, how)
             del st
         torch.cuda.current_stream().wait_stream(s)

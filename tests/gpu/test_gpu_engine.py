@@ -95,6 +95,12 @@ def test_sampling_reproducible_with_graphs():
     a = eng.generate(PROMPTS, 16, eos=2, pad=2, seed=11)
     b = eng.generate(PROMPTS, 16, eos=2, pad=2, seed=11)
     assert torch.equal(a.tokens, b.tokens)
+    # the shortest captured rollout (two new tokens: one warm-up step fits the output buffers) and one
+    # new token (the prefill alone, eager): captured, replayed, reproducible
+    for n in (2, 1):
+        c, d = (eng.generate(PROMPTS, n, eos=2, pad=2, seed=11) for _ in range(2))
+        assert c.tokens.shape == (len(PROMPTS), n) and torch.equal(c.tokens, d.tokens)
+        assert torch.equal(c.logprobs, d.logprobs) and bool((c.lengths <= n).all())
 
 
 def test_compiled_update_layers_match_eager_fp32():

@@ -21,6 +21,8 @@
 # "tests/gpu/test_gpu_identity.py tests/gpu/test_gpu_replay.py" and the rest: "tests
 # --ignore=tests/gpu/test_gpu_identity.py --ignore=tests/gpu/test_gpu_replay.py".
 # OPD_BENCH_EXTRA: more systems.py options, later ones win (e.g. "--ours default --peers miniverl").
+# OPD_PROFILE=1: also a torch.profiler table of one step, the rollout split and a cProfile of the first
+# update (profile.txt; ~60 s more for the default arm).
 # OPD_DEADLINE_S (default 520): seconds from this script's start by which the benchmark stops
 # starting systems (the ones skipped are recorded as such), so the call ends inside its limit.
 # At most 8 files come back from $OUT: env.txt, gpu-tests.log, gpu-replay.json, systems.log,
@@ -48,7 +50,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   left=$(( ${OPD_DEADLINE_S:-520} - SECONDS ))
   work=$(mktemp -d /tmp/opd-bench-XXXXXX)  # a fresh work dir: nothing of an earlier run is reused
   python3 benchmarks/systems.py --workload all --peers trl,miniverl --tokenizer .bench/smollm2-tokenizer \
-    --out "$out/systems" --work "$work" --profile "$out/profile.txt" --deadline-s "$left" --peer-updates 3 \
+    --out "$out/systems" --work "$work" ${OPD_PROFILE:+--profile "$out/profile.txt"} --deadline-s "$left" --peer-updates 3 \
     ${OPD_BENCH_DATE:+--date "$OPD_BENCH_DATE"} ${OPD_BENCH_EXTRA:-} 2>&1 | tee "$out/systems.log" | tail -40
   rc=$(( rc || PIPESTATUS[0] ))
 fi

@@ -516,7 +516,7 @@ def main(argv=None) -> int:
     ok_mv = [s for s in systems if s["name"].startswith("miniVERL") and "error" not in s]
     checks = {}
     if ok_ours and ok_mv:
-        o, m = ok_ours[0], ok_mv[0]
+        o = ok_ours[0]
         # ours draws the rows in a seeded shuffled order, miniVERL (shuffle: false) in file order; over the
         # run both consume every training row once, tokenized to the same ids
         checks["same prompt token ids over the run (as a multiset)"] = all(

@@ -2,10 +2,7 @@
 tests copy instead of rebuilding, and a helper that drives the real `opd` console script."""
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest

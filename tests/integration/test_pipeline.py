@@ -68,7 +68,7 @@ def test_run_produces_a_complete_run_view(work):
     assert torch.isfinite(m(ids).logits).all()
     # a second run with nothing changed computes nothing
     before = store_dirs(work)
-    r2 = opd("run", *TINY, cwd=work)
+    opd("run", *TINY, cwd=work)
     assert store_dirs(work) == before
 
 

@@ -80,8 +80,8 @@ class _Backbone(torch.nn.Module):
 def params_at(inner) -> tuple:
     """Where a model's parameters live: captured graphs read these addresses. Asked before every
     replay, so the module list is walked once per model (`Module.parameters()` walks the tree each
-    time: 2.3 ms for a LoRA'd 32-layer model on this CI's CPU, 0.3 ms from the list); a Parameter
-    replaced or moved still shows here. A model's modules are fixed once it runs graphs (adapters
+    time: 2.2 ms for a LoRA'd 32-layer model on a 2-core CPU, 0.27 ms from the list:
+    benchmarks/params_at.py); a Parameter replaced or moved still shows here. A model's modules are fixed once it runs graphs (adapters
     are added before its first forward); `drop` forgets the list with the graphs."""
     mods = inner.__dict__.get("_opd_modules")
     if mods is None:

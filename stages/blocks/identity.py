@@ -225,10 +225,11 @@ class Chain:
         if key not in self._memo:
             c = reads(self.cfg, "rollout")
             s = slice_of(c, "rollout", "data.max_prompt_tokens", "data.truncation")
-            if self.runtime().get("device") != "cuda":  # CPU never captures a graph: not part of its
-                s["rollout"].pop("cuda_graphs")  # identity; on CUDA cuBLAS may choose otherwise under capture
+            g = self._engine_graphs(c)
+            if g is None:
+                s["rollout"].pop("cuda_graphs")
             else:
-                s["rollout"]["cuda_graphs"] = self._engine_graphs(c)["rollout.cuda_graphs"]
+                s["rollout"]["cuda_graphs"] = g
             s.update(step=k, runtime=self.runtime())
             s.update(quant(c, "student"))
             if c.student.quant == "nf4":  # sampled by the engine from a dense copy (no longer transformers')
@@ -270,18 +271,24 @@ class Chain:
                 "student": self.prepared["student"]})
         return self._memo[key]
 
-    def _engine_graphs(self, c) -> dict:
-        """On CUDA, whether the rollout engine runs captured graphs (their kernels may round otherwise
-        than eager); nothing on CPU, whose digests stay as they were."""
+    def _engine_graphs(self, c):
+        """rollout.cuda_graphs as the identities of what samples with the rollout engine (rollout,
+        evaluate, tooleval) hold it: on CUDA what the engine replays from captured graphs (their
+        kernels may round otherwise than eager), ENGINE_GRAPHS or False; None on CPU, which never
+        captures one (its digests stay as they were)."""
         if self.runtime().get("device") != "cuda":
-            return {}
-        return {"rollout.cuda_graphs": ENGINE_GRAPHS if c.rollout.cuda_graphs else False}
+            return None
+        return ENGINE_GRAPHS if c.rollout.cuda_graphs else False
+
+    def _with_engine_graphs(self, s: dict, c) -> dict:
+        g = self._engine_graphs(c)
+        return s if g is None else {**s, "rollout.cuda_graphs": g}
 
     def evaluate(self) -> str:
         c = reads(self.cfg, "evaluate")
         s = slice_of(c, "eval")
         s["runtime"] = self.runtime()
-        s.update(self._engine_graphs(c))  # it samples greedy answers with the rollout engine
+        s = self._with_engine_graphs(s, c)  # it samples greedy answers with the rollout engine
         K = c.train.updates
         return make("evaluate", s, {"initial": self.policy(0), "final": self.policy(K),
                                     "prompts": self.prepared["prompts"], **self.teacher_inputs(),
@@ -290,8 +297,8 @@ class Chain:
     def tooleval(self, stage: str, policy: str) -> str:
         """Greedy held-out episodes of the student adapter published by (stage, policy)."""
         e = reads(self.cfg, "tooleval").env
-        s = {"max_turns": e.max_turns, "max_tokens_per_turn": e.max_tokens_per_turn, "runtime": self.runtime(),
-             **self._engine_graphs(reads(self.cfg, "tooleval"))}
+        s = self._with_engine_graphs({"max_turns": e.max_turns, "max_tokens_per_turn": e.max_tokens_per_turn,
+                                      "runtime": self.runtime()}, reads(self.cfg, "tooleval"))
         return make("tooleval", s, {"policy": policy, "policy_stage": stage, "tasks": self.prepared["tasks_test"],
                                     "student": self.prepared["student"]})
 

@@ -68,3 +68,25 @@ def test_the_layout_is_for_llama_family_models_on_sdpa_only():
     eager.config._attn_implementation = "eager"  # eager attention would add a boolean mask as 0/1
     assert not graphs.layout_ok(eager)
     assert not graphs.layout_ok(tiny(model_type="mistral"))  # (its sliding window would be lost)
+
+
+def test_params_at_sees_a_moved_or_replaced_parameter_and_drop_forgets_the_module_list():
+    """params_at (asked before every replay) keeps the module list, not the addresses: a parameter
+    whose storage moved, or a Parameter put in another's place, still changes what it returns; a
+    module added later shows only after graphs.drop (memory.move calls it before any move)."""
+    m = with_trained_lora(tiny())
+    inner = m.get_base_model().model
+    at = graphs.params_at(inner)
+    assert at == tuple(p.data_ptr() for p in inner.parameters())
+    assert graphs.params_at(inner) == at  # nothing moved: the same addresses
+    w = inner.layers[0].self_attn.q_proj.base_layer.weight
+    w.data = w.data.clone()  # storage moved (as Module.to does)
+    moved = graphs.params_at(inner)
+    assert moved != at and w.data_ptr() in moved
+    norm = inner.layers[1].input_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight.detach().clone())  # a new Parameter object
+    assert norm.weight.data_ptr() in graphs.params_at(inner)
+    inner.layers[0].extra = torch.nn.Linear(2, 2)  # a module added after the list was kept
+    assert inner.layers[0].extra.weight.data_ptr() not in graphs.params_at(inner)
+    graphs.drop(models.base_of(m))
+    assert graphs.params_at(inner) == tuple(p.data_ptr() for p in inner.parameters())

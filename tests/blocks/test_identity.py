@@ -34,9 +34,9 @@ PINNED = {
 }
 
 
-def digests(extra: list[str]) -> dict:
+def digests(extra: list[str], runtime: dict = RUNTIME) -> dict:
     cfg = config.compose(BASE + extra, ROOT / "conf")
-    ch = identity.Chain(cfg, lambda: dict(RUNTIME), PREP)
+    ch = identity.Chain(cfg, lambda: dict(runtime), PREP)
     out = {"policy0": ch.policy(0), "rollout2": ch.rollout(2), "score2": ch.score(2), "update2": ch.update(2),
            "evaluate": ch.evaluate()}
     if cfg.env.name:
@@ -51,6 +51,25 @@ def digests(extra: list[str]) -> dict:
 @pytest.mark.parametrize("name,extra", [("plain", []), ("env", ENV)])
 def test_digests_are_pinned(name, extra):
     assert digests(extra) == PINNED[name]
+
+
+# CUDA chains too (the runtime slice as given; rollout, evaluate and tooleval add what the rollout
+# engine replays from graphs): a refactor of identity must not move these either
+PINNED_CUDA = {
+    "plain": {"policy0": "e8a4fa1612a21b72682aad1b6e13887c", "rollout2": "32babb623fdb374b9505cf314fd01491",
+              "score2": "234adf19da87be158bb49685746edbc3", "update2": "e764e55cb6d957f0ecd456a139cad45c",
+              "evaluate": "156a41cc397b998fc8183d58286d89ad", "prompts": "b791100a50953b5ceda608ff9593e2ec",
+              "prepared": "14dfc67f5427a8a485b289dbdfd62eb0"},
+    "env": {"policy0": "c455de3e9ec6f3ab8ee8a25e8be9003c", "rollout2": "4b821d028641ff54baf243c2a64309b9",
+            "score2": "140fd143f1b52c3bb4fa1389ecfb92ed", "update2": "243d75b2c9d57c2c9e022ae4f3182fdc",
+            "evaluate": "6b24f09bfa97560edb1a2a28138aee7a", "tooleval": "593e0f852f57594ca979f0a1b0fce232",
+            "tasks_test": "526c6c7b0224df8976d2c9683838ac2d"},
+}
+
+
+@pytest.mark.parametrize("name,extra", [("plain", []), ("env", ENV)])
+def test_cuda_digests_are_pinned(name, extra):
+    assert digests(extra, {**RUNTIME, "device": "cuda"}) == PINNED_CUDA[name]
 
 
 def test_a_digest_changes_with_each_key_its_stage_reads_and_no_other():

@@ -26,7 +26,7 @@ def run(sess: Session, k: int) -> Path:
     def produce(tmp: Path) -> None:
         t_in = time.perf_counter()
         cfg, tok = sess.cfg, sess.tokenizer()
-        rows_in = tables.read(sess.store.path("prompts", sess.prepared["prompts"]) / "train.parquet")
+        rows_in = sess.table("prompts", sess.prepared["prompts"], "train.parquet")
         idx = prompts.batch_indices(rows_in.num_rows, cfg.rollout.batch_size, k, sess.prepared["prompts"])
         idx = [i for i in idx for _ in range(cfg.rollout.n)]  # n samples per prompt, grouped
         msgs = rows_in.column(cfg.data.prompt_key).to_pylist()
@@ -61,13 +61,24 @@ def run(sess: Session, k: int) -> Path:
         scored = [r["reward"] for r in rows if r["reward"] is not None]
         if scored:
             state["reward_mean"] = round(sum(scored) / len(scored), 6)
-        tables.write(tmp / "rollout.parquet", pa.Table.from_pylist(rows, tables.ROLLOUT),
-                     {"digest": dig, "tokenizer": sess.prepared["tokenizer"]})
+        table = pa.Table.from_pylist(rows, tables.ROLLOUT)
         io["outputs"] = round(time.perf_counter() - t_out, 4)
+        return handed_on(sess, dig, table, {}, state)
+
+    d, _ = sess.store.ensure("rollout", dig, produce, background=sess.background_publish)
+    return d
+
+
+def handed_on(sess: Session, dig: str, table: pa.Table, meta: dict, state: dict):
+    """Score and update read this step's rollout from memory (Session.table); the returned writes
+    of rollout.parquet and state.json run on the publish thread under background publishing."""
+    sess.produced_table("rollout", dig, "rollout.parquet", table)
+
+    def rest(tmp: Path) -> None:
+        tables.write(tmp / "rollout.parquet", table, {"digest": dig, "tokenizer": sess.prepared["tokenizer"], **meta})
         write_json(tmp / "state.json", state)
 
-    d, _ = sess.store.ensure("rollout", dig, produce)
-    return d
+    return rest
 
 
 # ---- multi-turn episodes on a tool environment (env.name set) ----
@@ -97,9 +108,7 @@ def episodes(sess: Session, k: int) -> Path:
                 "prompt_text": tok.decode(t.prompt), "response_text": tok.decode(t.resp), **tooluse.task_columns(t)})
         state["success_rate"] = round(sum(r["success"] for r in rows) / len(rows), 6)
         state["reward_mean"] = state["success_rate"]
-        tables.write(tmp / "rollout.parquet", pa.Table.from_pylist(rows, tables.ROLLOUT_WITH_TASK),
-                     {"digest": dig, "tokenizer": sess.prepared["tokenizer"], "env": cfg.env.name})
-        write_json(tmp / "state.json", state)
+        return handed_on(sess, dig, pa.Table.from_pylist(rows, tables.ROLLOUT_WITH_TASK), {"env": cfg.env.name}, state)
 
-    d, _ = sess.store.ensure("rollout", dig, produce)
+    d, _ = sess.store.ensure("rollout", dig, produce, background=sess.background_publish)
     return d

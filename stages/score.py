@@ -41,7 +41,7 @@ def run(sess: Session, k: int) -> Path:
 
     def produce(tmp: Path) -> None:
         cfg = sess.cfg
-        ro = batch.read_rollout(sess.store.path("rollout", sess.rollout_digest(k)) / "rollout.parquet")
+        ro = sess.table("rollout", sess.rollout_digest(k), "rollout.parquet", batch.ROLLOUT_NEEDS)
         needs = objectives.needs(cfg.objective)
         kk = cfg.objective.topk if "topk" in needs else 0
         sess.activate("teacher")  # placement swap: the student waits in host memory
@@ -79,9 +79,14 @@ def run(sess: Session, k: int) -> Path:
             cols["topk_logprobs"] = lst(pa.FixedSizeListArray.from_arrays(pa.array(tlp.reshape(-1)), kk))
             cols["topk_mass"] = lst(pa.array(np.exp(tlp).sum(-1).astype(np.float32)))
         table = pa.Table.from_pydict(cols, tables.scores_schema(kk))
-        write_json(tmp / "state.json", state)
-        tables.write(tmp / "scores.parquet", table, {"digest": dig, "tokenizer": sess.prepared["tokenizer"],
-                                                     "topk": kk, "selection": cfg.selection.mode})
+        sess.produced_table("score", dig, "scores.parquet", table)  # update reads it from here
 
-    d, _ = sess.store.ensure("score", dig, produce)
+        def rest(tmp: Path) -> None:  # on the publish thread under background publishing
+            write_json(tmp / "state.json", state)
+            tables.write(tmp / "scores.parquet", table, {"digest": dig, "tokenizer": sess.prepared["tokenizer"],
+                                                         "topk": kk, "selection": cfg.selection.mode})
+
+        return rest
+
+    d, _ = sess.store.ensure("score", dig, produce, background=sess.background_publish)
     return d

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .blocks import adapters, graphs, hostmem, identity, memory, models, phases, plan, reproducible, sampler
+from .blocks import adapters, graphs, hostmem, identity, memory, models, phases, plan, reproducible, sampler, tables
 from .blocks.config import Config, logit_temperature
 from .blocks.errors import UserError
 from .blocks.store import Store, link, seed_of, write_json
@@ -46,6 +46,7 @@ class Session:
         # the resident AdamW between updates: (policy digest it has stepped to, optimizer, named params)
         self.optimizer: tuple | None = None
         self.chunk_sizes: dict[str, int] = {}  # the position chunk that fit after a CUDA OOM, per stage
+        self._tables: dict[str, tuple[str, str, object]] = {}  # stage -> (digest, file, its pa.Table): see table()
         memory.limit_process(cfg.memory.vram_gib, self.device)
 
     # ---- resident models (loaded on first use, kept for the whole loop) ----
@@ -103,6 +104,26 @@ class Session:
 
             self._tok = AutoTokenizer.from_pretrained(self.model_dir("student"))
         return self._tok
+
+    # ---- the tables the loop hands on (rollout -> score -> update) ----
+    def table(self, stage: str, dig: str, name: str, required: dict | None = None):
+        """The pa.Table in `name` of the published (stage, dig): the one this process produced or read
+        last for that stage, else read from the store (joining its publish if one is in flight). A
+        step's rollout and scores go on to score and update from memory while their files are still
+        being written and sealed on the publish thread; the file holds the same table (published
+        files never change, so a table once read stays valid)."""
+        held = self._tables.get(stage)
+        if held is not None and held[:2] == (dig, name):
+            return held[2]
+        d = self.store.path(stage, dig)
+        self.store.wait(d)
+        t = tables.read(d / name, required)
+        self._tables[stage] = (dig, name, t)
+        return t
+
+    def produced_table(self, stage: str, dig: str, name: str, table) -> None:
+        """`table` is what (stage, dig) publishes as `name`: the loop's next stages read it from here."""
+        self._tables[stage] = (dig, name, table)
 
     @property
     def placement(self) -> str:
@@ -210,7 +231,8 @@ class Session:
 
     @property
     def background_publish(self) -> bool:
-        """Publish update outputs on a worker thread (CUDA: the host is free while the GPU samples)."""
+        """Publish the loop's outputs (rollout, scores, update) on a worker thread (CUDA: the host is
+        free while the GPU samples)."""
         return self.device.type == "cuda"
 
     @property
@@ -287,6 +309,7 @@ class Session:
         if k > 0:
             for name, dig in (("rollout", self.rollout_digest(k)), ("score", self.score_digest(k))):
                 sd = self.store.path(name, dig)
+                self.store.wait(sd)
                 link(sd / f"{'scores' if name == 'score' else name}.parquet",
                      d / f"{'scores' if name == 'score' else name}.parquet")
                 state[name] = json.loads((sd / "state.json").read_text())

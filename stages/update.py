@@ -22,11 +22,11 @@ from .blocks.store import fault, write_json
 from .session import Session, phase
 
 
-def load_scores(path: Path, topk: int) -> dict:
+def load_scores(sess: Session, k: int, topk: int) -> dict:
     need = {"uid": None, "teacher_logprobs": None, "selected": None}
     if topk:
         need.update(topk_ids=None, topk_logprobs=None)
-    t = tables.read(path, need)
+    t = sess.table("score", sess.score_digest(k), "scores.parquet", need)
     # the packed positions are the rows' lists end to end: one flat array each (no split and re-join)
     out = {"teacher_logprobs": tables.flat(t, "teacher_logprobs", np.float32),
            "selected": tables.flat(t, "selected", np.int8).astype(bool)}
@@ -123,10 +123,9 @@ def run(sess: Session, k: int) -> Path:
         t_in = time.perf_counter()
         cfg = sess.cfg
         prev = sess.policy_dir(k - 1)  # init, the SFT cold start, or update k-1
-        ro = batch.read_rollout(sess.store.path("rollout", sess.rollout_digest(k)) / "rollout.parquet")
+        ro = sess.table("rollout", sess.rollout_digest(k), "rollout.parquet", batch.ROLLOUT_NEEDS)
         needs = objectives.needs(cfg.objective)
-        sc = load_scores(sess.store.path("score", sess.score_digest(k)) / "scores.parquet",
-                         cfg.objective.topk if "topk" in needs else 0)
+        sc = load_scores(sess, k, cfg.objective.topk if "topk" in needs else 0)
         student = sess.use_policy(k - 1)
         p = batch.packed(ro, sess.device)
         sample_lp = torch.as_tensor(tables.flat(ro, "sample_logprobs", np.float32), device=sess.device)

@@ -187,8 +187,9 @@ def test_no_tokens_by_vocab_fp32_tensor_beyond_one_chunk():
 
 def test_background_publish_writes_the_same_bytes_on_the_publish_thread(work, monkeypatch):
     """What CUDA does (adapter + AdamW moments snapshotted at the optimizer step, then written,
-    sealed and renamed on the publish thread while the next step runs), forced on the CPU: the same
-    files as synchronous publishing, even when the writer is slower than the next step's compute."""
+    sealed and renamed on the publish thread while the next step runs; the rollout and scores handed
+    on in memory while theirs are), forced on the CPU: the same files as synchronous publishing, even
+    when the writer is slower than the next step's compute."""
     import json
     import shutil
     import threading
@@ -200,11 +201,21 @@ def test_background_publish_writes_the_same_bytes_on_the_publish_thread(work, mo
 
     import time
 
-    real_adapter = adapters.write_adapter
+    from stages.blocks import tables
+
+    real_adapter, real_write = adapters.write_adapter, tables.write
 
     def run(tag: str, background: bool) -> dict:
         monkeypatch.setattr(Session, "background_publish", property(lambda s: background))
         threads: list[str] = []
+        parquet: dict[str, set] = {}  # which threads wrote each step's rollout and scores
+
+        def write(path, table, meta):
+            if path.name in ("rollout.parquet", "scores.parquet"):
+                parquet.setdefault(path.name, set()).add(threading.current_thread().name)
+            real_write(path, table, meta)
+
+        monkeypatch.setattr(tables, "write", write)
         # a slow writer (a slow disk): the next step's rollout, score and optimizer step run before it
         # writes, so bytes only match if it writes the snapshot of its own step, not the live tensors
         def slow_write(student, state, out, base):  # (policy 0's adapter, written by init, is not an update's)
@@ -218,20 +229,26 @@ def test_background_publish_writes_the_same_bytes_on_the_publish_thread(work, mo
         train.run(sess)
         out = {}
         for k in (1, 2, 3):
-            d = sess.policy_dir(k)
-            assert store_mod.Store(sess.store.root.parent).verify(d)
-            out[k] = {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*"))
-                      if p.is_file() and p.name not in ("state.json", "manifest.json")}
-            st = json.loads((d / "state.json").read_text())
+            for d in (sess.policy_dir(k), sess.store.path("rollout", sess.rollout_digest(k)),
+                      sess.store.path("score", sess.score_digest(k))):
+                assert store_mod.Store(sess.store.root.parent).verify(d)
+                out[k, d.parent.name] = {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*"))
+                                         if p.is_file() and p.name not in ("state.json", "manifest.json")}
+            st = json.loads((sess.policy_dir(k) / "state.json").read_text())
             assert {"save_adapter", "save_optimizer", "wait_previous_publish"} <= set(st["io_s"])
-        shutil.rmtree(sess.store.root / "update")  # the second run computes every update again
-        return out, threads
+        for stage in ("rollout", "score", "update"):  # the second run computes every step again
+            shutil.rmtree(sess.store.root / stage)
+        return out, threads, parquet
 
-    sync, t_sync = run("sync", False)
-    bg, t_bg = run("bg", True)
-    assert bg == sync and len(sync[3]) >= 3  # adapter weights + config + optimizer state, byte for byte
+    sync, t_sync, pq_sync = run("sync", False)
+    bg, t_bg, pq_bg = run("bg", True)
+    assert bg == sync and len(sync[3, "update"]) >= 3  # adapter weights + config + optimizer state, byte for byte
+    assert set(sync[3, "rollout"]) == {"rollout.parquet"} and set(sync[3, "score"]) == {"scores.parquet"}
     assert t_sync == ["MainThread"] * 3
     assert len(t_bg) == 3 and all(t.startswith("opd-publish") for t in t_bg)
+    assert pq_sync == {"rollout.parquet": {"MainThread"}, "scores.parquet": {"MainThread"}}
+    assert {n: {t.split("_")[0] for t in ts} for n, ts in pq_bg.items()} == \
+        {"rollout.parquet": {"opd-publish"}, "scores.parquet": {"opd-publish"}}
 
 
 def test_on_cpu_an_update_drops_the_engine_and_the_next_one_holds_the_new_policy(work):

@@ -11,9 +11,13 @@ import torch
 from . import lmhead, tables
 
 
+# the rollout columns score and update read
+ROLLOUT_NEEDS = {c: tables.ROLLOUT.field(c).type for c in
+                 ("uid", "prompt_ids", "response_ids", "response_mask", "sample_logprobs")}
+
+
 def read_rollout(path: Path) -> pa.Table:
-    return tables.read(path, {c: tables.ROLLOUT.field(c).type for c in
-                              ("uid", "prompt_ids", "response_ids", "response_mask", "sample_logprobs")})
+    return tables.read(path, ROLLOUT_NEEDS)
 
 
 def packed(t: pa.Table, device) -> lmhead.Packed:

@@ -7,6 +7,7 @@ prompt is assigned to a split by a hash of its text, not by position.
 """
 from __future__ import annotations
 
+import functools
 import json
 import random
 
@@ -92,7 +93,14 @@ def batch_indices(num_prompts: int, batch_size: int, k: int, key: str) -> list[i
     out, start = [], (k - 1) * batch_size
     for pos in range(start, start + batch_size):
         epoch, i = divmod(pos, num_prompts)
-        perm = list(range(num_prompts))
-        random.Random(f"{key}:{epoch}").shuffle(perm)
-        out.append(perm[i])
+        out.append(_permutation(num_prompts, key, epoch)[i])
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(num_prompts: int, key: str, epoch: int) -> tuple[int, ...]:
+    """Epoch `epoch`'s order of the prompts. Shuffled once per epoch, not once per prompt drawn:
+    50,000 prompts took 1.0 s per batch of 64 reshuffled per draw (2-core CPU)."""
+    perm = list(range(num_prompts))
+    random.Random(f"{key}:{epoch}").shuffle(perm)
+    return tuple(perm)

@@ -178,7 +178,7 @@ class Engine:
                             decoder.compiled_layer() if self.compile else decoder.layer)
         logits = F.linear(h[:, 0], W["head"])
         blk = (k < min_new).expand(B) if min_new > 0 else None
-        t, l = decoder.pick(logits, st["u"].index_select(0, k.clamp_max(max_new - 1))[0], temperature, top_p,
+        t, l = decoder.pick(logits, st["u"].index_select(0, k)[0], temperature, top_p,
                             greedy, blk, eos)
         t = torch.where(st["done"], torch.full_like(t, pad), t)
         l = torch.where(st["done"], torch.zeros_like(l), l)

@@ -34,17 +34,22 @@ mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD OPD_TEST_TOKENIZER=$PWD/.bench/smollm2-tokenizer TOKENIZERS_PARALLELISM=false
-# Bytecode: the wheels above go in uncompiled and the image's site-packages may lack .pyc files, so
-# every fresh process compiled its imports from source (~9 s of builtins.compile under cProfile in one
-# first update, -5382a9e-profile.txt), an installation artefact a user's pip install does not have.
-# One cache for every process of this call: the first one to import a module compiles it.
-export PYTHONPYCACHEPREFIX=/tmp/pycache
+# Bytecode: the image's torch ships no .pyc files (env.txt, 2026-12-01 75529ba: 0, dir writable) and
+# the carried wheels install uncompiled, so every fresh process compiled its imports from source (~9 s
+# of builtins.compile under cProfile in one first update, -5382a9e-profile.txt): an installation
+# artefact a user's `pip install` (which compiles) does not have. Bytecode writing is allowed for this
+# call, so the first process to import a module writes its .pyc and later ones read it. (A
+# PYTHONPYCACHEPREFIX cache instead made it worse at 75529ba, init 10 -> 19 s: it also ignores the
+# .pyc files transformers does ship.)
+dont_write=${PYTHONDONTWRITEBYTECODE-unset}
+unset PYTHONDONTWRITEBYTECODE
 {
+  echo "PYTHONDONTWRITEBYTECODE in the image: $dont_write"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
   python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'
   python3 - <<'PY'
 import os, transformers, torch
-for m in (torch, transformers):  # whether the image ships bytecode beside its sources (see PYTHONPYCACHEPREFIX)
+for m in (torch, transformers):  # whether the image ships bytecode beside its sources (see above)
     d = os.path.dirname(m.__file__)
     n = sum(f.endswith(".pyc") for _, _, fs in os.walk(d) for f in fs)
     print(m.__name__, d, "pyc files:", n, "writable:", os.access(d, os.W_OK))

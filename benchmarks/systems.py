@@ -415,6 +415,7 @@ OURS_ARMS = {
     "eager": (("runtime.compile=false",), 45),  # the decode step without torch.compile (the fallback path)
     "ckpt": (("train.activation_checkpointing=true",), 45),  # one more forward for less update-phase memory
     "nf4": (("student.quant=nf4", "teacher.quant=nf4"), 45),  # QLoRA: NF4 student (LoRA on it) and teacher
+    "nf4teacher": (("teacher.quant=nf4",), 45),  # bf16 student, NF4 teacher: the teacher's memory only
 }
 
 
@@ -444,7 +445,7 @@ def main(argv=None) -> int:
                          "teacher-forced forwards replayed from CUDA graphs), nographs (runtime.cuda_graphs=false), "
                          "layers (runtime.compile_layers=true: compiled decoder layers for update and score), "
                          "eager (runtime.compile=false), ckpt (activation checkpointing), nf4 (NF4 student and "
-                         "teacher; bitsandbytes)")
+                         "teacher; bitsandbytes), nf4teacher (NF4 teacher only)")
     ap.add_argument("--peer-updates", type=int, default=0,
                     help="updates for miniVERL's arms (0: the workload's); medians skip the first either way")
     ap.add_argument("--miniverl-arms", default=",".join(a for a, _, _ in MINIVERL_ARMS))
@@ -502,7 +503,7 @@ def main(argv=None) -> int:
         if "default" in ours_arms:  # first: the ratios are against it
             add(run_system(ours_pipeline, "opd-stages", deadline, 60, w, work, tok, py, args.profile))
         for arm, (over, need) in OURS_ARMS.items():
-            if arm in ours_arms and not (args.smoke and arm == "nf4"):  # (bitsandbytes on CUDA only here)
+            if arm in ours_arms and not (args.smoke and arm.startswith("nf4")):  # (bitsandbytes on CUDA only here)
                 add(run_system(ours_pipeline, f"opd-stages-{arm}", deadline, need, w, work, tok, py, None, over,
                                f"opd-stages-{arm}"))
         if "trl" in peers and not args.smoke:

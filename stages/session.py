@@ -113,9 +113,9 @@ class Session:
         being written and sealed on the publish thread; the file holds the same table (published
         files never change, so a table once read stays valid)."""
         held = self._tables.get(stage)
-        if held is not None and held[:2] == (dig, name):
-            return held[2]
         d = self.store.path(stage, dig)
+        if held is not None and held[:2] == (dig, name):
+            return tables.check(held[2], d / name, required)
         self.store.wait(d)
         t = tables.read(d / name, required)
         self._tables[stage] = (dig, name, t)

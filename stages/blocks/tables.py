@@ -81,6 +81,11 @@ def read(path: Path, required: dict[str, pa.DataType] | None = None) -> pa.Table
         t = pq.ParquetFile(path).read()  # read_table goes through dataset discovery: ~30x slower per small file
     except (pa.ArrowInvalid, OSError) as e:
         raise UserError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
+    return check(t, path, required)
+
+
+def check(t: pa.Table, path: Path, required: dict[str, pa.DataType] | None) -> pa.Table:
+    """`t` (the contents of `path`) if it has the `required` columns with compatible types."""
     for col, typ in (required or {}).items():
         if col not in t.column_names:
             raise UserError(f"{path}: missing column '{col}' (expected {typ})")

@@ -32,7 +32,7 @@ BIN = Path(sys.executable).parent
 COVERED = {
     "./install.sh && . .venv/bin/activate && dvc repro":
         "tests/test_readme.py::test_quick_start_is_cis_contract",
-    "./install.sh test && .venv/bin/python -m pytest -q":
+    "./install.sh test && .venv/bin/python -m pytest -q -n 2":
         "tests/test_readme.py::test_quick_start_is_cis_contract",
     "dvc repro": "tests/integration/test_dvc_plots.py::test_history_has_the_columns_the_issue_asks",
     "dvc exp run -S train.updates=48 -S objective.topk=16":
@@ -87,7 +87,7 @@ def test_quick_start_is_cis_contract():
     pipeline (its `dvc repro` is the one test_dvc_plots runs on tiny models)."""
     lines = first_block(README.read_text())
     assert lines == ["./install.sh && . .venv/bin/activate && dvc repro",
-                     "./install.sh test && .venv/bin/python -m pytest -q"]
+                     "./install.sh test && .venv/bin/python -m pytest -q -n 2"]
     extracted = subprocess.run(["bash", "-c", "awk '/^```/{n++; next} n==1{print}' README.md | sed -n 2p"],
                                cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     assert extracted == lines[1] and "awk" in CI_RUN.read_text()

@@ -11,7 +11,8 @@
 # The embedded GGUF model is over the carry limit, so tests take the tokenizer from .bench
 # (OPD_TEST_TOKENIZER) and the benchmark builds random-init models of the real shapes.
 # Durations seen on the H200 (2026-12-01, with the compiled decode step): tests ~390 s (the byte-
-# identity tests ~120 + 85 s of it); bench: seed models ~30 s, ours ~45 s per arm (default, eager,
+# identity tests ~120 + 85 s of it), 227 s since the processes keep their bytecode (b1bed9b, without
+# the compile-layers test); bench: seed models ~30 s, ours ~45 s per arm (default, eager,
 # ckpt), TRL ~50 s, miniVERL at --peer-updates 3: hf_reference ~100 s, hf_cached ~45 s, the compiled
 # arm >128 s (never finished in its share), workload b ~40 s of seed + ~60 s. `all` does not fit one
 # 600 s call: run `tests` and `bench` as two calls (bench with OPD_DEADLINE_S=555 and timeout 600),

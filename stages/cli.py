@@ -133,11 +133,12 @@ def cmd_stage(args) -> None:
     else:  # one step: the earlier steps are published first
         train.ensure_policy(sess, k - 1)
         d = rollout.run(sess, k)
-        if name == "rollout":
-            print(f"rollout step {k}: {d / 'rollout.parquet'}")
-            return
-        d = score.run(sess, k)
-        print(d if name == "score" else update.run(sess, k))
+        if name != "rollout":
+            d = score.run(sess, k)
+            d = d if name == "score" else update.run(sess, k)
+        # (CUDA publishes on a worker thread: joined before the path is printed, its error raised)
+        sess.store.flush()
+        print(f"rollout step {k}: {d / 'rollout.parquet'}" if name == "rollout" else d)
 
 
 def _export(args) -> None:

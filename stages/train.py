@@ -56,13 +56,15 @@ def sft_continued(sess: Session, steps: int) -> tuple[str, str]:
 
 
 def ensure_policy(sess: Session, k: int) -> None:
-    """Make policy version k exist in the store (runs the earlier steps if needed)."""
+    """Make policy version k exist in the store (runs the earlier steps if needed). Returns with
+    everything it computed published: a publish that failed on the worker thread raises here."""
     policy0(sess)
     for j in range(1, k + 1):
         if sess.store.get("update", sess.update_digest(j)) is None:
             rollout.run(sess, j)
             score.run(sess, j)
             update.run(sess, j)
+    sess.store.flush()
 
 
 def plan_line(sess: Session) -> str:

@@ -31,3 +31,31 @@ def test_a_steps_rollout_goes_on_from_memory_and_equals_its_published_file(work,
         sess.table("rollout", dig, "rollout.parquet", {"nope": pa.int32()})
     sess.produced_table("rollout", "other", "rollout.parquet", held)  # another step's: this one is read again
     assert sess.table("rollout", dig, "rollout.parquet").equals(on_disk) and reads[-1] == "rollout.parquet"
+
+
+def test_a_publish_that_fails_on_the_worker_thread_fails_the_stage_command(work, monkeypatch, capsys):
+    """CUDA publishes rollout, scores and update on a worker thread (forced here on the CPU). When
+    that write fails (a full disk), `opd stage rollout --step 1` must not print the path and exit 0:
+    the command joins the publish before it reports and exits with the full-disk error; nothing is
+    left published."""
+    import threading
+
+    from stages import cli
+    from stages.session import Session
+    from support import TINY
+
+    monkeypatch.setattr(Session, "background_publish", property(lambda s: True))
+    real = tables.write
+
+    def failing(path, table, meta):
+        if path.name == "rollout.parquet":
+            assert threading.current_thread().name.startswith("opd-publish")
+            raise OSError(28, "No space left on device")
+        real(path, table, meta)
+
+    monkeypatch.setattr(tables, "write", failing)
+    code = cli.main(["stage", "rollout", "--step", "1", *TINY, "runtime.threads=1"])
+    out = capsys.readouterr()
+    assert code == cli.EXIT_NO_SPACE and "no space left on device" in out.err
+    assert "rollout step 1:" not in out.out
+    assert not list((work / "artifacts" / "store" / "rollout").glob("[0-9a-f]*"))  # no dir published

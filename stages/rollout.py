@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from . import envs
 from .blocks import prompts, rewards, tables, tooluse
-from .blocks.store import seed_of, write_json
+from .blocks.store import seed_of
 from .session import Session, phase
 
 
@@ -65,22 +65,10 @@ def run(sess: Session, k: int) -> Path:
             state["reward_mean"] = round(sum(scored) / len(scored), 6)
         table = pa.Table.from_pylist(rows, tables.ROLLOUT)
         io["outputs"] = round(time.perf_counter() - t_out, 4)
-        return handed_on(sess, dig, table, {}, state)
+        return sess.hand_on("rollout", dig, "rollout.parquet", table, {}, state)
 
     d, _ = sess.store.ensure("rollout", dig, produce, background=sess.background_publish)
     return d
-
-
-def handed_on(sess: Session, dig: str, table: pa.Table, meta: dict, state: dict):
-    """Score and update read this step's rollout from memory (Session.table); the returned writes
-    of rollout.parquet and state.json run on the publish thread under background publishing."""
-    sess.produced_table("rollout", dig, "rollout.parquet", table)
-
-    def rest(tmp: Path) -> None:
-        tables.write(tmp / "rollout.parquet", table, {"digest": dig, "tokenizer": sess.prepared["tokenizer"], **meta})
-        write_json(tmp / "state.json", state)
-
-    return rest
 
 
 # ---- multi-turn episodes on a tool environment (env.name set) ----
@@ -110,7 +98,8 @@ def episodes(sess: Session, k: int) -> Path:
                 "prompt_text": tok.decode(t.prompt), "response_text": tok.decode(t.resp), **tooluse.task_columns(t)})
         state["success_rate"] = round(sum(r["success"] for r in rows) / len(rows), 6)
         state["reward_mean"] = state["success_rate"]
-        return handed_on(sess, dig, pa.Table.from_pylist(rows, tables.ROLLOUT_WITH_TASK), {"env": cfg.env.name}, state)
+        return sess.hand_on("rollout", dig, "rollout.parquet", pa.Table.from_pylist(rows, tables.ROLLOUT_WITH_TASK),
+                            {"env": cfg.env.name}, state)
 
     d, _ = sess.store.ensure("rollout", dig, produce, background=sess.background_publish)
     return d

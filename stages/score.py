@@ -15,7 +15,7 @@ from . import objectives
 from .blocks import batch, lmhead, memory, selection, tables, tooluse
 from .blocks.config import logit_temperature
 from .blocks.errors import UserError
-from .blocks.store import seed_of, write_json
+from .blocks.store import seed_of
 from .session import Session, phase
 
 
@@ -79,14 +79,7 @@ def run(sess: Session, k: int) -> Path:
             cols["topk_logprobs"] = lst(pa.FixedSizeListArray.from_arrays(pa.array(tlp.reshape(-1)), kk))
             cols["topk_mass"] = lst(pa.array(np.exp(tlp).sum(-1).astype(np.float32)))
         table = pa.Table.from_pydict(cols, tables.scores_schema(kk))
-        sess.produced_table("score", dig, "scores.parquet", table)  # update reads it from here
-
-        def rest(tmp: Path) -> None:  # on the publish thread under background publishing
-            write_json(tmp / "state.json", state)
-            tables.write(tmp / "scores.parquet", table, {"digest": dig, "tokenizer": sess.prepared["tokenizer"],
-                                                         "topk": kk, "selection": cfg.selection.mode})
-
-        return rest
+        return sess.hand_on("score", dig, "scores.parquet", table, {"topk": kk, "selection": cfg.selection.mode}, state)
 
     d, _ = sess.store.ensure("score", dig, produce, background=sess.background_publish)
     return d

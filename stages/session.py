@@ -121,9 +121,17 @@ class Session:
         self._tables[stage] = (dig, name, t)
         return t
 
-    def produced_table(self, stage: str, dig: str, name: str, table) -> None:
-        """`table` is what (stage, dig) publishes as `name`: the loop's next stages read it from here."""
+    def hand_on(self, stage: str, dig: str, name: str, table, meta: dict, state: dict):
+        """`table` is what (stage, dig) publishes as `name`: the loop's next stages read it from here
+        (`table`). Returns the stage's writes (the Parquet file with its metadata, state.json) for the
+        store to run: on the publish thread under background publishing (Store.ensure)."""
         self._tables[stage] = (dig, name, table)
+
+        def rest(tmp: Path) -> None:
+            tables.write(tmp / name, table, {"digest": dig, "tokenizer": self.prepared["tokenizer"], **meta})
+            write_json(tmp / "state.json", state)
+
+        return rest
 
     @property
     def placement(self) -> str:

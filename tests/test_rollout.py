@@ -29,3 +29,12 @@ def test_rows_match_the_prompts_they_sample_across_an_epoch_boundary(work):
             assert r["uid"] not in seen
             seen.add(r["uid"])
     assert len(seen) == 18
+    # what Session.hand_on writes beside the table: the stage digest, the tokenizer and each stage's own keys
+    import pyarrow.parquet as pq
+
+    for stage, name, own in (("rollout", "rollout.parquet", {}),
+                             ("score", "scores.parquet", {b"opd.topk": b"8", b"opd.selection": b"all"})):
+        dig = getattr(sess, f"{stage}_digest")(2)
+        md = pq.read_schema(sess.store.path(stage, dig) / name).metadata
+        assert md[b"opd.digest"] == dig.encode() and md[b"opd.tokenizer"] == sess.prepared["tokenizer"].encode()
+        assert {k: md[k] for k in own} == own

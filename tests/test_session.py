@@ -1,4 +1,4 @@
-"""stages/session.py: the tables the loop hands on (Session.table / produced_table)."""
+"""stages/session.py: the tables the loop hands on (Session.table / hand_on)."""
 import pyarrow as pa
 import pytest
 
@@ -29,7 +29,7 @@ def test_a_steps_rollout_goes_on_from_memory_and_equals_its_published_file(work,
     assert held.equals(on_disk.replace_schema_metadata(None)) and held.num_rows == sess.cfg.rollout.batch_size
     with pytest.raises(UserError, match=r"rollout\.parquet: missing column 'nope'"):
         sess.table("rollout", dig, "rollout.parquet", {"nope": pa.int32()})
-    sess.produced_table("rollout", "other", "rollout.parquet", held)  # another step's: this one is read again
+    sess.hand_on("rollout", "other", "rollout.parquet", held, {}, {})  # another step's: this one is read again
     assert sess.table("rollout", dig, "rollout.parquet").equals(on_disk) and reads[-1] == "rollout.parquet"
 
 

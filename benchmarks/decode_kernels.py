@@ -1,0 +1,198 @@
+"""The rollout engine's decode step, kernel variants side by side on one GPU: one step (32 or 28
+layers over one new token per sequence, the LM head and the draw) captured in a CUDA graph and
+replayed, per variant of stages/blocks/decoder.py:
+
+  eager      the layer eager (~20 kernels per layer)
+  compiled   the layer through torch.compile (the default before `rows`): cuBLAS matmuls, SDPA
+  rows_mm    compiled, matmuls as reductions (decoder.linear rows=True), attention SDPA
+  rows_attn  compiled, attention as reductions (decoder.attend rows=True), matmuls cuBLAS
+  rows       compiled, both
+  window     compiled, the cache and mask cut to the bucket that holds the live positions (what a
+             length-bucketed decode graph would read instead of the whole static cache)
+and the draw alone (decoder.pick) eager against compiled. Numerics: each variant's logits against
+the eager variant's on the same state (max |diff|, argmax agreement).
+
+    python benchmarks/decode_kernels.py --out $OUT   # CUDA only; writes decode-kernels.{json,md}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from stages.blocks import decoder, models
+
+SHAPES = {  # workload a (the seed) and b of benchmarks/systems.py: batch, prompt, new tokens
+    "a": ("smollm2-360m", 4, 128, 64),
+    "b": ("qwen3-0.6b", 64, 128, 512),
+}
+VARIANTS = ("compiled", "rows", "rows_mm", "rows_attn", "eager", "window")
+
+
+def build(arch: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = {k: v for k, v in models.arch_config(arch).items() if not k.startswith("_")}
+    conf = AutoConfig.for_model(**cfg)
+    with torch.device("cuda"):
+        m = AutoModelForCausalLM.from_config(conf, dtype=torch.bfloat16)
+    for p in m.parameters():  # realistic scales: logits of a few units, not ~100
+        torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+    return decoder.sampling_weights(m)
+
+
+def state(W, B: int, P: int, N: int, live: int):
+    """A mid-rollout state: the cache filled up to `live` positions, the next token's inputs."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    L = P + N
+    shape = (W["n_layers"], B, W["n_kv"], L, W["head_dim"])
+    ck = torch.randn(shape, generator=g, device="cuda", dtype=W["dtype"])
+    cv = torch.randn(shape, generator=g, device="cuda", dtype=W["dtype"])
+    keys = torch.arange(L, device="cuda")
+    return {"tok": torch.randint(0, W["embed"].shape[0], (B, 1), generator=g, device="cuda"),
+            "pos": torch.full((B, 1), live, device="cuda"), "slot": torch.full((1,), live, device="cuda"),
+            "valid": (keys <= live)[None, None].expand(B, 1, L).contiguous(), "ck": ck, "cv": cv,
+            "u": torch.rand(B, generator=g, device="cuda"), "logits": None}
+
+
+def logits_fn(W, st, layer, rows, L=None):
+    ck, cv, valid = st["ck"], st["cv"], st["valid"]
+    if L is not None:
+        ck, cv, valid = ck[..., :L, :], cv[..., :L, :], valid[..., :L]
+    h = decoder.forward(W, st["tok"], st["pos"], ck, cv, st["slot"], valid, layer, rows)
+    return F.linear(h[:, 0], W["head"])  # [B, V]
+
+
+def step_fn(W, st, logits_of):
+    """The decode step: logits (compiled or not, per variant), then the draw, eager (the compiled
+    draw is timed apart: Inductor 2.11 fails on its scan)."""
+    logits = logits_of()
+    tok, lp = decoder.pick(logits, st["u"], 1.0, 1.0, False, None, 0)
+    return logits, tok, lp
+
+
+def timed_graph(fn, reps: int) -> tuple[float, float, object]:
+    """(first call s incl. compilation, ms per replay of the captured step, the warm-up's output)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    t = time.perf_counter()
+    with torch.cuda.stream(s):
+        out = fn()
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(10):
+        g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return first, a.elapsed_time(b) / reps, out
+
+
+def run_shape(name: str, deadline: float, reps: int) -> dict:
+    arch, B, P, N = SHAPES[name]
+    W = build(arch)
+    live = P + N // 2 + 1
+    window = -(-(live + 1) // 64) * 64  # the 64-position bucket holding every live key
+    res = {"arch": arch, "batch": B, "prompt": P, "new": N, "cache_len": P + N, "live": live, "window": window,
+           "variants": {}}
+    orig_linear, orig_attend = decoder.linear, decoder.attend
+    for v in VARIANTS:
+        if time.monotonic() > deadline:
+            res["variants"][v] = {"skipped": "deadline"}
+            continue
+        torch._dynamo.reset()
+        models.compile_settings()
+        decoder.linear, decoder.attend = orig_linear, orig_attend
+        if v == "rows_mm":
+            decoder.attend = lambda q, ck, cv, mask, rows=False: orig_attend(q, ck, cv, mask, False)
+        if v == "rows_attn":
+            decoder.linear = lambda x, w, b=None, rows=False: orig_linear(x, w, b, False)
+        rows = v in ("rows", "rows_mm", "rows_attn")
+        st = state(W, B, P, N, live)
+        if v == "eager":
+            fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, decoder.layer, False))  # noqa: E731
+        else:
+            layer = torch.compile(decoder.layer, fullgraph=True, dynamic=False)
+            L = window if v == "window" else None
+            fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, layer, rows, L))  # noqa: E731
+        try:
+            first, ms, (logits, tok, _) = timed_graph(fn, reps)
+        except Exception as e:  # noqa: BLE001  a variant that does not compile or capture is a result too
+            res["variants"][v] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            continue
+        logits = logits.float()
+        row = {"first_call_s": round(first, 2), "ms_per_step": round(ms, 4),
+               "tok_per_s": round(B / ms * 1e3)}
+        res["variants"][v] = row
+        print(name, v, row, flush=True)
+        row["logits"] = logits  # compared once the eager reference exists
+    decoder.linear, decoder.attend = orig_linear, orig_attend
+    ref = res["variants"].get("eager", {}).get("logits")
+    for row in res["variants"].values():
+        lg = row.pop("logits", None)
+        if lg is not None and ref is not None:
+            row["max_abs_logit_diff_vs_eager"] = float((lg - ref).abs().max())
+            row["argmax_agree_vs_eager"] = float((lg.argmax(-1) == ref.argmax(-1)).float().mean())
+    # the draw alone: eager kernels against one compiled function, both captured
+    V = W["head"].shape[0]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randn(B, V, generator=g, device="cuda") * 3
+    u = torch.rand(B, generator=g, device="cuda")
+    torch._dynamo.reset()
+    cpick = torch.compile(decoder.pick, fullgraph=True, dynamic=False)
+    for label, f in (("pick_eager", decoder.pick), ("pick_compiled", cpick)):
+        try:
+            first, ms, (tok, lp) = timed_graph(lambda: f(logits, u, 1.0, 1.0, False, None, 0), reps)  # noqa: B023
+        except Exception as e:  # noqa: BLE001
+            res[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", "ms": None, "tokens": None}
+            continue
+        res[label] = {"first_call_s": round(first, 2), "ms": round(ms, 4), "tokens": tok.tolist()[:8],
+                      "logprobs": [round(x, 5) for x in lp.tolist()[:8]]}
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--shapes", default="a,b")
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--budget-s", type=float, default=420, help="stop starting variants after this")
+    args = ap.parse_args()
+    deadline = time.monotonic() + args.budget_s
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
+    for name in args.shapes.split(","):
+        with torch.no_grad():  # as the engine samples (Engine.generate)
+            out["shapes"][name] = run_shape(name, deadline, args.reps)
+        print(json.dumps(out["shapes"][name], indent=1), flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "decode-kernels.json").write_text(json.dumps(out, indent=1))
+    lines = [f"# Decode step variants ({out['gpu']}, torch {out['torch']})", ""]
+    for name, r in out["shapes"].items():
+        lines += [f"## workload {name}: {r['arch']}, batch {r['batch']}, cache {r['cache_len']} (live {r['live']})", "",
+                  "| variant | ms/step | tok/s | first call s | max abs logit diff vs eager | argmax agree |",
+                  "|---|---|---|---|---|---|"]
+        for v, row in r["variants"].items():
+            if "ms_per_step" not in row:
+                lines.append(f"| {v} | {row} | | | | |")
+                continue
+            lines.append(f"| {v} | {row['ms_per_step']} | {row['tok_per_s']} | {row['first_call_s']} | "
+                         f"{row.get('max_abs_logit_diff_vs_eager', '')} | {row.get('argmax_agree_vs_eager', '')} |")
+        lines += ["", f"draw alone: eager {r['pick_eager']['ms']} ms, compiled {r['pick_compiled']['ms']} ms "
+                  f"(same tokens: {r['pick_eager']['tokens'] == r['pick_compiled']['tokens']})", ""]
+    (Path(args.out) / "decode-kernels.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

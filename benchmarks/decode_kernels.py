@@ -3,13 +3,15 @@ layers over one new token per sequence, the LM head and the draw) captured in a 
 replayed, per variant of stages/blocks/decoder.py:
 
   eager      the layer eager (~20 kernels per layer)
-  compiled   the layer through torch.compile (the default before `rows`): cuBLAS matmuls, SDPA
-  rows_mm    compiled, matmuls as reductions (decoder.linear rows=True), attention SDPA
-  rows_attn  compiled, attention as reductions (decoder.attend rows=True), matmuls cuBLAS
-  rows       compiled, both
+  compiled   the layer through torch.compile (the engine's default): cuBLAS matmuls, SDPA
+  wt         compiled, each matmul as the transposed product w @ x^T (cuBLAS sees a tall-skinny
+             problem with the batch as its N, and chooses other kernels than for M = batch)
+  autotune   compiled with mode="max-autotune-no-cudagraphs" (Inductor benchmarks Triton matmul
+             templates against cuBLAS per shape; outside the deterministic mode the engine compiles under)
   window     compiled, the cache and mask cut to the bucket that holds the live positions (what a
              length-bucketed decode graph would read instead of the whole static cache)
-and the draw alone (decoder.pick) eager against compiled. Numerics: each variant's logits against
+and the draw alone (decoder.pick) eager against compiled. (Matmuls and attention as reductions
+for Inductor, `rows`, were measured at a483038 and lost: results/2026-12-01-h200-decode-kernels-rows.md.) Numerics: each variant's logits against
 the eager variant's on the same state (max |diff|, argmax agreement).
 
     python benchmarks/decode_kernels.py --out $OUT   # CUDA only; writes decode-kernels.{json,md}
@@ -30,7 +32,13 @@ SHAPES = {  # workload a (the seed) and b of benchmarks/systems.py: batch, promp
     "a": ("smollm2-360m", 4, 128, 64),
     "b": ("qwen3-0.6b", 64, 128, 512),
 }
-VARIANTS = ("compiled", "rows", "rows_mm", "rows_attn", "eager", "window")
+VARIANTS = ("compiled", "wt", "eager", "window", "autotune")
+
+
+def linear_t(x, w, b=None):
+    """F.linear as w @ x^T, transposed back (a view: consumers read it strided)."""
+    y = (w @ x.reshape(-1, x.shape[-1]).T).T.reshape(*x.shape[:-1], w.shape[0])
+    return y if b is None else y + b
 
 
 def build(arch: str):
@@ -59,11 +67,11 @@ def state(W, B: int, P: int, N: int, live: int):
             "u": torch.rand(B, generator=g, device="cuda"), "logits": None}
 
 
-def logits_fn(W, st, layer, rows, L=None):
+def logits_fn(W, st, layer, L=None):
     ck, cv, valid = st["ck"], st["cv"], st["valid"]
     if L is not None:
         ck, cv, valid = ck[..., :L, :], cv[..., :L, :], valid[..., :L]
-    h = decoder.forward(W, st["tok"], st["pos"], ck, cv, st["slot"], valid, layer, rows)
+    h = decoder.forward(W, st["tok"], st["pos"], ck, cv, st["slot"], valid, layer)
     return F.linear(h[:, 0], W["head"])  # [B, V]
 
 
@@ -107,26 +115,26 @@ def run_shape(name: str, deadline: float, reps: int) -> dict:
     window = -(-(live + 1) // 64) * 64  # the 64-position bucket holding every live key
     res = {"arch": arch, "batch": B, "prompt": P, "new": N, "cache_len": P + N, "live": live, "window": window,
            "variants": {}}
-    orig_linear, orig_attend = decoder.linear, decoder.attend
+    orig_linear = F.linear
     for v in VARIANTS:
         if time.monotonic() > deadline:
             res["variants"][v] = {"skipped": "deadline"}
             continue
         torch._dynamo.reset()
         models.compile_settings()
-        decoder.linear, decoder.attend = orig_linear, orig_attend
-        if v == "rows_mm":
-            decoder.attend = lambda q, ck, cv, mask, rows=False: orig_attend(q, ck, cv, mask, False)
-        if v == "rows_attn":
-            decoder.linear = lambda x, w, b=None, rows=False: orig_linear(x, w, b, False)
-        rows = v in ("rows", "rows_mm", "rows_attn")
+        decoder.F.linear = linear_t if v == "wt" else orig_linear  # (torch.nn.functional itself, for this variant)
         st = state(W, B, P, N, live)
         if v == "eager":
-            fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, decoder.layer, False))  # noqa: E731
+            fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, decoder.layer))  # noqa: E731
         else:
-            layer = torch.compile(decoder.layer, fullgraph=True, dynamic=False)
+            if v == "autotune":
+                import torch._inductor.config as ic
+
+                ic.deterministic = False
+            layer = torch.compile(decoder.layer, fullgraph=True, dynamic=False,
+                                  mode="max-autotune-no-cudagraphs" if v == "autotune" else None)
             L = window if v == "window" else None
-            fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, layer, rows, L))  # noqa: E731
+            fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, layer, L))  # noqa: E731
         try:
             first, ms, (logits, tok, _) = timed_graph(fn, reps)
         except Exception as e:  # noqa: BLE001  a variant that does not compile or capture is a result too
@@ -138,7 +146,7 @@ def run_shape(name: str, deadline: float, reps: int) -> dict:
         res["variants"][v] = row
         print(name, v, row, flush=True)
         row["logits"] = logits  # compared once the eager reference exists
-    decoder.linear, decoder.attend = orig_linear, orig_attend
+    decoder.F.linear = orig_linear
     ref = res["variants"].get("eager", {}).get("logits")
     for row in res["variants"].values():
         lg = row.pop("logits", None)

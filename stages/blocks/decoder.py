@@ -102,40 +102,12 @@ def rope(x, cos, sin):
     return x * cos + rot * sin
 
 
-def linear(x, w, b=None, rows: bool = False):
-    """x [..., K] @ w [N, K]^T (+ b). rows (the compiled decode step at a small batch): written as a
-    broadcast multiply and a sum over K, which Inductor turns into one reduction kernel with a
-    thread block per few outputs, where cuBLAS's small-M GEMM tiles leave most of the GPU idle
-    (benchmarks/decode_kernels.py). fp32 accumulation either way; the sum's order differs."""
-    if not rows:
-        return F.linear(x, w, b)
-    y = (x.unsqueeze(-2).float() * w.float()).sum(-1)  # [..., N] (eager, as in the tests: [..., N, K] materialised)
-    return (y if b is None else y + b.float()).to(x.dtype)
-
-
-def attend(q, ck, cv, mask, rows: bool = False):
-    """Attention of q [B, H, T, D] over the cache ck/cv [B, KV, L, D], mask [B, 1, T, L] (True =
-    attend) -> [B, H, T, D]. rows: as reductions Inductor fuses (scores, softmax, weighted sum),
-    for the compiled decode step (one query per sequence), instead of an SDPA kernel and its mask's
-    conversion per layer."""
-    B, H, T, D = q.shape
-    KV = ck.shape[1]
-    if not rows:
-        return F.scaled_dot_product_attention(q, ck, cv, attn_mask=mask, enable_gqa=KV != H)
-    qg = q.reshape(B, KV, H // KV, T, 1, D).float()  # head h reads kv head h // (H / KV), as SDPA's GQA
-    s = (qg * ck[:, :, None, None].float()).sum(-1) * D ** -0.5  # [B, KV, G, T, L]
-    p = torch.softmax(s.masked_fill(~mask[:, :, None], float("-inf")), dim=-1)
-    o = (p[..., None] * cv[:, :, None, None].float()).sum(-2)  # [B, KV, G, T, D]
-    return o.reshape(B, H, T, D).to(q.dtype)
-
-
-def layer(x, w, ck, cv, cos, sin, mask, slots, H, KV, D, eps, act, rows=False):
+def layer(x, w, ck, cv, cos, sin, mask, slots, H, KV, D, eps, act):
     """One decoder layer over x [B, T, hidden]; writes its new K/V into ck/cv [B, n_kv, L, D] at
-    `slots`. A plain function of tensors and constants, so torch.compile can fuse it (`compiled_layer`).
-    rows: matmuls and attention as reductions (`linear`, `attend`), for the compiled decode step."""
+    `slots`. A plain function of tensors and constants, so torch.compile can fuse it (`compiled_layer`)."""
     B, T = x.shape[:2]
     h = rms(x, w["ln1"], eps)
-    qkv = linear(h, w["qkv"], w["qkv_bias"], rows).view(B, T, H + 2 * KV, D)
+    qkv = F.linear(h, w["qkv"], w["qkv_bias"]).view(B, T, H + 2 * KV, D)
     if w["q_norm"] is not None:  # Qwen3 normalises each head before rotary
         q, k, v = qkv.split((H, KV, KV), dim=2)
         qk = torch.cat((rms(q, w["q_norm"], eps), rms(k, w["k_norm"], eps)), dim=2)
@@ -145,11 +117,11 @@ def layer(x, w, ck, cv, cos, sin, mask, slots, H, KV, D, eps, act, rows=False):
     q, k = qk[:, :H], qk[:, H:]
     ck.index_copy_(2, slots, k)
     cv.index_copy_(2, slots, v.transpose(1, 2))
-    o = attend(q, ck, cv, mask, rows)
-    x = x + linear(o.transpose(1, 2).reshape(B, T, H * D), w["o_proj"], rows=rows)
+    o = F.scaled_dot_product_attention(q, ck, cv, attn_mask=mask, enable_gqa=KV != H)
+    x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * D), w["o_proj"])
     h = rms(x, w["ln2"], eps)
-    gate, up = linear(h, w["gate_up"], rows=rows).chunk(2, dim=-1)
-    return x + linear(act(gate) * up, w["down_proj"], rows=rows)
+    gate, up = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
+    return x + F.linear(act(gate) * up, w["down_proj"])
 
 
 _COMPILED = None
@@ -167,7 +139,7 @@ def compiled_layer():
     return _COMPILED
 
 
-def forward(W, ids, pos, cache_k, cache_v, slots, key_valid, layer=layer, rows: bool = False):
+def forward(W, ids, pos, cache_k, cache_v, slots, key_valid, layer=layer):
     """One forward over T new tokens per sequence, writing their K/V into the static cache.
 
     ids [B, T]; pos [B, T] rotary positions; cache_k/v [n_layers, B, n_kv, L, D];
@@ -183,7 +155,7 @@ def forward(W, ids, pos, cache_k, cache_v, slots, key_valid, layer=layer, rows: 
     act = getattr(F, W["act"]) if W["act"] != "swish" else F.silu
     for i, w in enumerate(W["layers"]):
         x = layer(x, w, cache_k[i], cache_v[i], cos, sin, mask, slots, W["n_heads"], W["n_kv"], W["head_dim"],
-                  W["eps"], act, rows)
+                  W["eps"], act)
     return rms(x, W["norm"], W["eps"])
 
 

@@ -55,7 +55,7 @@ class Session:
             _ = self.placement  # decided (or refused) before any weights load
             base = models.load(self.model_dir("student"), self.cfg.student, self.device, self.dtype)
             if self.cfg.train.activation_checkpointing:  # only active in train() mode, i.e. the update
-                models.enable_activation_checkpointing(base)
+                models.enable_activation_checkpointing(base, preserve_rng_state=self.cfg.lora.dropout > 0)
             self._student = models.add_lora(base, self.cfg.lora, seed_of(self.init_digest()))
             if self.compiled_layers(self.cfg.student):
                 print("runtime.compile_layers: the student's decoder layers compile at the first update "

@@ -240,10 +240,13 @@ def peft_wrap_quietly():
         yield
 
 
-def enable_activation_checkpointing(model) -> None:
+def enable_activation_checkpointing(model, preserve_rng_state: bool) -> None:
     """Recompute each layer's activations in backward (non-reentrant): transformers 5 names it
-    `activation_checkpointing_enable` (the old `gradient_checkpointing_enable` warns), 4.x the old way."""
-    kw = {"use_reentrant": False}
+    `activation_checkpointing_enable` (the old `gradient_checkpointing_enable` warns), 4.x the old way.
+    preserve_rng_state: stash and restore the RNG state around each recompute, needed only when the
+    forward draws (LoRA dropout); without it a captured CUDA graph can hold the checkpointed update
+    (querying the CUDA generator's state is not allowed during capture)."""
+    kw = {"use_reentrant": False, "preserve_rng_state": preserve_rng_state}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
     else:

@@ -39,14 +39,16 @@ def graphed_roles(cfg, device: str) -> set[str]:
     and Session both ask here): runtime.cuda_graphs on CUDA, single-turn prompts (one padded length
     for the run: multi-turn episodes vary, and a capture mid-run could meet the publish thread's
     device sync), no compiled layers (their own kernels), dense weights (bitsandbytes is not
-    captured); the student also without activation checkpointing and without LoRA dropout (a
-    capture's warm-up passes would draw from the generator the update seeds). Not the placement: it
-    changes nothing computed (swap frees a role's graphs before it moves and captures them again)."""
+    captured); the student also without LoRA dropout (a capture's warm-up passes would draw from the
+    generator the update seeds). With activation checkpointing the captured backward recomputes each
+    layer (models.enable_activation_checkpointing: no RNG state to stash without dropout). Not the
+    placement: it changes nothing computed (swap frees a role's graphs before it moves and captures
+    them again)."""
     env = getattr(cfg, "env", None)
     if device != "cuda" or not cfg.runtime.cuda_graphs or cfg.runtime.compile_layers or (env is not None and env.name):
         return set()
     roles = {"teacher"} if cfg.teacher.quant == "none" else set()
-    if cfg.student.quant == "none" and not cfg.train.activation_checkpointing and not cfg.lora.dropout:
+    if cfg.student.quant == "none" and not cfg.lora.dropout:
         roles.add("student")
     return roles
 
@@ -135,11 +137,15 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     t_fwd = forward_bytes(T, t, s) + t * T.hidden * s  # the teacher's forward activations + hidden states
     a, scratch = saved_per_token_layer(S, cfg.lora, s), t * (2 * S.hidden + 3 * S.inter) * 4
     saved = t * (S.layers * a + 4 * S.hidden)  # the student's saved activations (update)
+    ckpt = getattr(cfg.train, "activation_checkpointing", False)
+    ck_inputs = t * (S.layers * S.hidden * s + 4 * S.hidden)  # checkpointed: each layer keeps only its input
     t_pool = [("teacher", "captured scoring forward (graph pool: activations + hidden states)", t_fwd, False)] \
         if "teacher" in graphed else []
-    s_pool = [("student", "captured update forward + backward (graph pool: saved activations + backward "
-               "scratch)", saved + scratch, False)] \
-        if "student" in graphed else []
+    s_pool = [("student", "captured update forward + backward (graph pool: checkpointed layer inputs + one "
+               "layer recomputed + backward scratch)", ck_inputs + t * a + scratch, False)] if ckpt else \
+        [("student", "captured update forward + backward (graph pool: saved activations + backward "
+          "scratch)", saved + scratch, False)]
+    s_pool = s_pool if "student" in graphed else []
     out: dict[str, list] = {}
 
     ro = stud + eng + ([] if moves else teach)
@@ -170,12 +176,11 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
 
     full = "full" in objectives.needs(cfg.objective)
     up = stud + ([] if moves else eng + teach + t_pool)
-    if getattr(cfg.train, "activation_checkpointing", False):  # each layer keeps only its input
-        up += [("student", f"checkpointed layer inputs ({t} tokens x {S.layers} layers)",
-                t * (S.layers * S.hidden * s + 4 * S.hidden), False),
-               ("student", "backward: one layer's activations recomputed + scratch", t * a + scratch, True)]
-    elif s_pool:
+    if s_pool:
         up += s_pool
+    elif ckpt:
+        up += [("student", f"checkpointed layer inputs ({t} tokens x {S.layers} layers)", ck_inputs, False),
+               ("student", "backward: one layer's activations recomputed + scratch", t * a + scratch, True)]
     else:
         up += [("student", f"saved activations ({t} tokens x {S.layers} layers)", saved, False),
                ("student", "backward scratch (one layer)", scratch, True)]

@@ -36,10 +36,13 @@ def _hidden_and_grads(model, p, graphed: bool, train: bool):
     return h.detach().clone(), {n: q.grad.clone() for n, q in named if q.grad is not None}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graphed_forward_and_backward_match_eager_and_repeat_exactly(dtype):
+@pytest.mark.parametrize("dtype,ckpt", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
+                                        (torch.bfloat16, True)])
+def test_graphed_forward_and_backward_match_eager_and_repeat_exactly(dtype, ckpt):
     torch.backends.cuda.matmul.allow_tf32 = False
     m = _model(dtype)
+    if ckpt:  # the captured backward recomputes each layer (train.activation_checkpointing)
+        models.enable_activation_checkpointing(models.base_of(m), preserve_rng_state=False)
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for train in (False, True):
         for seed in (0, 1):  # the second batch (same bucket) replays: it must read the new ids

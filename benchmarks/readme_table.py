@@ -128,14 +128,16 @@ def table(path: Path) -> str:
         la = lr["workloads"].get("a")
         if not la:
             continue
-        lo = _find(la.get("systems", []), "opd-stages")
         line = f"A later, partial run (`{later.relative_to(ROOT)}`, {lr['date']}): "
-        if _ok(lo):
-            line += (f"opd-stages {lo['median_update_s']} s/update (rollout {lo['median_rollout_s']} s, "
-                     f"{lo['rollout_tok_per_s']} tok/s; score {lo['median_score_s']} s; update phase "
-                     f"{lo['median_update_phase_s']} s; first update {lo['first_update_incl_construction_s']} s); ")
-        elif lo is not None:
-            line += f"opd-stages not measured ({_first_line(lo['error'])}); "
+        for lo in (s for s in la.get("systems", []) if s["name"].startswith("opd-stages")):  # default and arms, by name
+            if _ok(lo):
+                line += (f"{lo['name']} {lo['median_update_s']} s/update (rollout {lo['median_rollout_s']} s, "
+                         f"{lo['rollout_tok_per_s']} tok/s; score {lo['median_score_s']} s; update phase "
+                         f"{lo['median_update_phase_s']} s; peak {lo['peak_allocated_gib']['overall']:.2f} GiB; "
+                         f"first update {lo['first_update_incl_construction_s']} s); ")
+            else:
+                line += f"{lo['name']} not measured ({_first_line(lo['error'])}); "
+        lo = next((s for s in la.get("systems", []) if s["name"] == "opd-stages"), None)
         lt = _find(la.get("systems", []), "TRL")
         if _ok(lt):
             line += f"TRL 1.16 {lt['median_update_s']} s/update; "

@@ -59,3 +59,16 @@ def test_a_publish_that_fails_on_the_worker_thread_fails_the_stage_command(work,
     assert code == cli.EXIT_NO_SPACE and "no space left on device" in out.err
     assert "rollout step 1:" not in out.out
     assert not list((work / "artifacts" / "store" / "rollout").glob("[0-9a-f]*"))  # no dir published
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.05])
+def test_checkpointing_stashes_rng_state_only_with_lora_dropout(work, dropout):
+    """train.activation_checkpointing: each decoder layer recomputes in the backward (non-reentrant);
+    the RNG state is stashed around the recompute only when the forward draws (LoRA dropout), since
+    a captured CUDA graph refuses the generator query and nothing draws without dropout."""
+    from stages.blocks import models
+
+    sess = session(work, "runtime.threads=1", "train.activation_checkpointing=true", f"lora.dropout={dropout}")
+    layer = models.base_of(sess.student()).model.layers[0]
+    assert layer.gradient_checkpointing
+    assert layer._gradient_checkpointing_func.keywords == {"use_reentrant": False, "preserve_rng_state": dropout > 0}

@@ -12,6 +12,8 @@ What each phase holds (steady state, step >= 2; bytes; s = bytes of the compute 
            (a per token and layer, `saved_per_token_layer`; with train.activation_checkpointing
            t * (layers * H * s + 4H) plus one layer's t * a recomputed in the backward) + backward
            scratch t * (2H + 3I) * 4 or the loss chunk 4 * chunk * V * 4, whichever is larger
+           (eager); a captured update's pool holds its activations and backward scratch together,
+           across phases, and the loss chunk comes on top
 The student's LoRA grads and AdamW moments (2 x fp32) stay resident between steps, as does the
 engine's copy (q/k/v and gate/up fused, targeted o/down merged). Under resident every phase also
 holds the idle role; under swap it waits in host memory (with its moments and engine); under

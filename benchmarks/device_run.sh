@@ -26,6 +26,8 @@
 # update (profile.txt; ~60 s more for the default arm).
 # OPD_DEADLINE_S (default 520): seconds from this script's start by which the benchmark stops
 # starting systems (the ones skipped are recorded as such), so the call ends inside its limit.
+# The device copy's .git is not refreshed with the work tree (2026-12-01: `git rev-parse HEAD` there
+# printed the session's first commit in every call): name the commit that ran from here, not from it.
 # At most 8 files come back from $OUT: env.txt, gpu-tests.log, gpu-replay.json, systems.log,
 # profile.txt, systems/<date>-<gpu>-systems.{json,md}.
 set -uo pipefail

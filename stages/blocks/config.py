@@ -116,7 +116,8 @@ class TrainCfg:
     chunk: int = 256  # positions per LM-head/loss chunk
     seed: int = 0
     # recompute each decoder layer's activations in the backward instead of keeping them: less
-    # update-phase memory for one extra forward
+    # update-phase memory for one extra forward (on CUDA the checkpointed update replays a captured
+    # graph: H200 seed workload 0.1972 against 0.1933 s/update, peak 5.11 against 6.35 GiB, README)
     activation_checkpointing: bool = False
 
 

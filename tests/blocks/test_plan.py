@@ -377,3 +377,21 @@ def test_graphed_roles_are_one_rule_for_the_plan_and_the_session():
     items = [i["component"] for i in nf4["placements"]["resident"]["phases"]["rollout"]["items"]]
     assert any(c.startswith("captured update forward") for c in items)
     assert not any(c.startswith("captured scoring forward") for c in items)
+
+
+def test_swap_chosen_notes_that_checkpointing_keeps_both_roles_resident():
+    """auto picks swap when resident does not fit; when resident with activation checkpointing would
+    fit (captured on CUDA, a small cost next to moving a role every phase), the plan says so with the
+    peak it would have; not when that does not fit either, nor when checkpointing is already on."""
+    est = plan.estimate(cfg(*SEED, "memory.vram_gib=6"))
+    ck = plan.estimate(cfg(*SEED, "memory.vram_gib=6", "train.activation_checkpointing=true",
+                           "memory.placement=resident"))
+    assert est["placement"]["chosen"] == "swap" and ck["feasible"]
+    note = [n for n in est["notes"] if n.startswith("resident fits with train.activation_checkpointing=true")]
+    assert note == [f"resident fits with train.activation_checkpointing=true (peak {ck['peak_gib']:.2f} GiB): "
+                    "the checkpointed update replays a captured graph, where swap moves a role on and off the "
+                    "device every phase"]
+    tight = plan.estimate(cfg(*SEED, "memory.vram_gib=5.5"))  # resident + checkpointing needs 5.01 > 4.95 usable
+    assert tight["placement"]["chosen"] == "swap" and not any("activation_checkpointing" in n for n in tight["notes"])
+    on = plan.estimate(cfg(*SEED, "memory.vram_gib=4.5", "train.activation_checkpointing=true"))
+    assert not any(n.startswith("resident fits") for n in on["notes"])

@@ -271,9 +271,7 @@ def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
     plain: dict = {}
     step(sess, k + 2, plain)
     # the rollout split: prefill (+ two tokens) against the whole response, same prompts and engine
-    from stages.blocks import batch
-
-    ro = batch.read_rollout(sess.store.path("rollout", sess.rollout_digest(k + 2)) / "rollout.parquet")
+    ro = sess.table("rollout", sess.rollout_digest(k + 2), "rollout.parquet")
     ids, split = ro.column("prompt_ids").to_pylist(), {}
     n = sess.cfg.rollout.max_new_tokens
     if ids and n > 2:

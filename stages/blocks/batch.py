@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -14,10 +13,6 @@ from . import lmhead, tables
 # the rollout columns score and update read
 ROLLOUT_NEEDS = {c: tables.ROLLOUT.field(c).type for c in
                  ("uid", "prompt_ids", "response_ids", "response_mask", "sample_logprobs")}
-
-
-def read_rollout(path: Path) -> pa.Table:
-    return tables.read(path, ROLLOUT_NEEDS)
 
 
 def packed(t: pa.Table, device) -> lmhead.Packed:

@@ -143,11 +143,10 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     ck_inputs = t * (S.layers * S.hidden * s + 4 * S.hidden)  # checkpointed: each layer keeps only its input
     t_pool = [("teacher", "captured scoring forward (graph pool: activations + hidden states)", t_fwd, False)] \
         if "teacher" in graphed else []
-    s_pool = [("student", "captured update forward + backward (graph pool: checkpointed layer inputs + one "
-               "layer recomputed + backward scratch)", ck_inputs + t * a + scratch, False)] if ckpt else \
-        [("student", "captured update forward + backward (graph pool: saved activations + backward "
-          "scratch)", saved + scratch, False)]
-    s_pool = s_pool if "student" in graphed else []
+    held, what = (ck_inputs + t * a, "checkpointed layer inputs + one layer recomputed") if ckpt else \
+        (saved, "saved activations")
+    s_pool = [("student", f"captured update forward + backward (graph pool: {what} + backward scratch)",
+               held + scratch, False)] if "student" in graphed else []
     out: dict[str, list] = {}
 
     ro = stud + eng + ([] if moves else teach)

@@ -107,7 +107,7 @@ def test_score_records_selection_and_update_trains_on_it(work):
     # replay: the same digest selects the same positions
     from stages.blocks.store import seed_of
 
-    ro = batch.read_rollout(sess.store.path("rollout", sess.rollout_digest(1)) / "rollout.parquet")
+    ro = sess.table("rollout", sess.rollout_digest(1), "rollout.parquet", batch.ROLLOUT_NEEDS)
     again = score.select_positions(sess, ro, seed_of(st["digest"]))
     assert again.astype(int).tolist() == [x for s in sel for x in s]
 

@@ -11,12 +11,12 @@ replayed, per variant of stages/blocks/decoder.py:
              templates against cuBLAS per shape; outside the deterministic mode the engine compiles under)
   window     compiled, the cache and mask cut to the bucket that holds the live positions (what a
              length-bucketed decode graph would read instead of the whole static cache)
-  skinny     compiled, each matmul of at most 16 rows (the layers' projections and the LM head) by
-             stages/blocks/kernels.skinny_linear, the Triton kernel, instead of cuBLAS
-and, per projection shape of the step, the matmul alone: cuBLAS against the Triton kernel at
-several (BN, BK, warps) settings, each as 20 back-to-back calls captured in one graph (`matmuls`),
+  floatmask  compiled, the keys' mask handed to attention as an additive float bias made once per
+             step (the engine hands a bool mask, which each layer's attention converts)
 and the draw alone (decoder.pick) eager against compiled. (Matmuls and attention as reductions
-for Inductor, `rows`, were measured at a483038 and lost: results/2026-12-01-h200-decode-kernels-rows.md.) Numerics: each variant's logits against
+for Inductor, `rows`, were measured at a483038 and lost: results/2026-12-01-h200-decode-kernels-rows.md;
+a hand-written Triton matmul for the step's few rows, `skinny`, at 7fbcb21 and lost to cuBLAS at
+every shape and setting: -decode-kernels-skinny.md.) Numerics: each variant's logits against
 the eager variant's on the same state (max |diff|, argmax agreement).
 
     python benchmarks/decode_kernels.py --out $OUT   # CUDA only; writes decode-kernels.{json,md}
@@ -31,59 +31,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from stages.blocks import decoder, kernels, models
+from stages.blocks import decoder, models
 
 SHAPES = {  # workload a (the seed) and b of benchmarks/systems.py: batch, prompt, new tokens
     "a": ("smollm2-360m", 4, 128, 64),
     "b": ("qwen3-0.6b", 64, 128, 512),
 }
-VARIANTS = ("compiled", "skinny", "wt", "eager", "window", "autotune")
+VARIANTS = ("compiled", "floatmask", "eager", "window", "wt", "autotune")
 
 
 def linear_t(x, w, b=None):
     """F.linear as w @ x^T, transposed back (a view: consumers read it strided)."""
     y = (w @ x.reshape(-1, x.shape[-1]).T).T.reshape(*x.shape[:-1], w.shape[0])
     return y if b is None else y + b
-
-
-def linear_skinny(x, w, b=None):
-    """F.linear by the Triton kernel where the rows are few (the decode step), cuBLAS elsewhere."""
-    if x.numel() // x.shape[-1] <= kernels.MAX_ROWS:
-        return kernels.skinny_linear(x, w, b)
-    return ORIG_LINEAR(x, w, b)
-
-
-ORIG_LINEAR = F.linear
-SKINNY = [(None, None, 4), (8, 128, 4), (8, 64, 4), (16, 128, 4), (16, 64, 4), (32, 64, 4), (8, 128, 2), (16, 128, 8),
-          (32, 128, 8)]  # (BN, BK, warps); None: kernels.config's choice
-
-
-def matmuls(W, B: int, reps: int) -> list[dict]:
-    """Each projection shape of the decode step (and the LM head) alone: cuBLAS vs the Triton kernel's
-    settings, us per call (20 calls per captured graph), and the kernel's max |diff| against cuBLAS."""
-    w0 = W["layers"][0]
-    shapes = {"qkv": w0["qkv"], "o_proj": w0["o_proj"], "gate_up": w0["gate_up"], "down_proj": w0["down_proj"],
-              "head": W["head"]}
-    rows = []
-    for name, w in shapes.items():
-        x = torch.randn(B, w.shape[1], device="cuda", dtype=w.dtype)
-        ref = ORIG_LINEAR(x, w)
-        row = {"matmul": name, "N": w.shape[0], "K": w.shape[1], "rows": B}
-        cands = [("cublas", lambda: ORIG_LINEAR(x, w))]  # noqa: B023
-        for BN, BK, warps in SKINNY:
-            y = torch.empty_like(ref)
-            cands.append((f"triton BN={BN} BK={BK} w={warps}",
-                          lambda y=y, BN=BN, BK=BK, warps=warps: kernels.launch(x, w, None, y, BN, BK, warps) or y))  # noqa: B023
-        for label, f in cands:
-            try:
-                _, ms, out = timed_graph(lambda f=f: [f() for _ in range(20)][-1], reps)
-            except Exception as e:  # noqa: BLE001
-                row[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                continue
-            row[label] = {"us": round(ms * 1e3 / 20, 2), "max_abs_diff": float((out.float() - ref.float()).abs().max())}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    return rows
 
 
 def build(arch: str):
@@ -102,21 +62,21 @@ def state(W, B: int, P: int, N: int, live: int):
     """A mid-rollout state: the cache filled up to `live` positions, the next token's inputs."""
     g = torch.Generator(device="cuda").manual_seed(0)
     L = P + N
-    shape = (W["n_layers"], B, W["n_kv"], L, W["head_dim"])
-    ck = torch.randn(shape, generator=g, device="cuda", dtype=W["dtype"])
-    cv = torch.randn(shape, generator=g, device="cuda", dtype=W["dtype"])
+    kv = torch.randn(decoder.new_cache(W, B, L, "cuda").shape, generator=g, device="cuda", dtype=W["dtype"])
     keys = torch.arange(L, device="cuda")
     return {"tok": torch.randint(0, W["embed"].shape[0], (B, 1), generator=g, device="cuda"),
             "pos": torch.full((B, 1), live, device="cuda"), "slot": torch.full((1,), live, device="cuda"),
-            "valid": (keys <= live)[None, None].expand(B, 1, L).contiguous(), "ck": ck, "cv": cv,
+            "valid": (keys <= live)[None, None].expand(B, 1, L).contiguous(), "kv": kv,
             "u": torch.rand(B, generator=g, device="cuda"), "logits": None}
 
 
 def logits_fn(W, st, layer, L=None):
-    ck, cv, valid = st["ck"], st["cv"], st["valid"]
+    kv, valid = st["kv"], st["valid"]
     if L is not None:
-        ck, cv, valid = ck[..., :L, :], cv[..., :L, :], valid[..., :L]
-    h = decoder.forward(W, st["tok"], st["pos"], ck, cv, st["slot"], valid, layer)
+        kv, valid = kv[..., :L, :], valid[..., :L]
+    if st.get("float_mask"):  # 0 where a key is attended, -inf elsewhere, in the compute dtype
+        valid = torch.zeros(valid.shape, dtype=W["dtype"], device=valid.device).masked_fill(~valid, float("-inf"))
+    h = decoder.forward(W, st["tok"], st["pos"], kv, st["slot"], valid, layer)
     return F.linear(h[:, 0], W["head"])  # [B, V]
 
 
@@ -161,11 +121,9 @@ def _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear) 
             continue
         torch._dynamo.reset()
         models.compile_settings()
-        if v == "skinny" and (not kernels.available() or B > kernels.MAX_ROWS):
-            res["variants"][v] = {"skipped": f"batch {B} > {kernels.MAX_ROWS} rows or no Triton"}
-            continue
-        decoder.F.linear = {"wt": linear_t, "skinny": linear_skinny}.get(v, orig_linear)  # (torch.nn.functional itself)
+        decoder.F.linear = linear_t if v == "wt" else orig_linear  # (torch.nn.functional itself, for this variant)
         st = state(W, B, P, N, live)
+        st["float_mask"] = v == "floatmask"
         if v == "eager":
             fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, decoder.layer))  # noqa: E731
         else:
@@ -198,8 +156,6 @@ def run_shape(name: str, deadline: float, reps: int) -> dict:
     res = {"arch": arch, "batch": B, "prompt": P, "new": N, "cache_len": P + N, "live": live, "window": window,
            "variants": {}}
     orig_linear = F.linear
-    if B <= kernels.MAX_ROWS and kernels.available():
-        res["matmuls"] = matmuls(W, B, reps)
     try:
         _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear)
     finally:
@@ -235,7 +191,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="a,b")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--budget-s", type=float, default=420, help="stop starting variants after this")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
+    global VARIANTS
+    VARIANTS = tuple(args.variants.split(","))  # (the eager one is the numerics reference)
     deadline = time.monotonic() + args.budget_s
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
     for name in args.shapes.split(","):
@@ -255,10 +214,6 @@ def main() -> None:
                 continue
             lines.append(f"| {v} | {row['ms_per_step']} | {row['tok_per_s']} | {row['first_call_s']} | "
                          f"{row.get('max_abs_logit_diff_vs_eager', '')} | {row.get('argmax_agree_vs_eager', '')} |")
-        for m in r.get("matmuls", []):
-            cells = [f"{k}: {v['us']} us" if isinstance(v, dict) else f"{k}: {v}" for k, v in m.items()
-                     if k not in ("matmul", "N", "K", "rows")]
-            lines.append(f"- matmul {m['matmul']} [{m['rows']}, {m['K']}] x [{m['N']}, {m['K']}]^T: " + "; ".join(cells))
         pe, pc = r["pick_eager"], r["pick_compiled"]
         same = f"same tokens: {pe['tokens'] == pc['tokens']}" if pc.get("tokens") else pc.get("error", "")
         lines += ["", f"draw alone: eager {pe['ms']} ms, compiled {pc['ms']} ms ({same})", ""]

@@ -63,8 +63,7 @@ def engine_hidden(model, prompts, responses, pad=PAD):
     q = torch.arange(L)
     valid = (q[None, None, :] <= q[None, :, None]) & (q[None, None, :] >= pad_len[:, None, None])
     valid = valid | ((q[None, :, None] < pad_len[:, None, None]) & (q[None, None, :] == q[None, :, None]))
-    shape = (W["n_layers"], B, W["n_kv"], L, W["head_dim"])
-    h = decoder.forward(W, ids, (q[None, :] - pad_len[:, None]).clamp_min(0), torch.zeros(shape), torch.zeros(shape),
+    h = decoder.forward(W, ids, (q[None, :] - pad_len[:, None]).clamp_min(0), decoder.new_cache(W, B, L, "cpu"),
                          q, valid)  # [B, L, H]
     at = [(b, P - 1 + t) for b, r in enumerate(responses) for t in range(len(r))]
     return h[torch.tensor([a for a, _ in at]), torch.tensor([c for _, c in at])]

@@ -102,10 +102,14 @@ def rope(x, cos, sin):
     return x * cos + rot * sin
 
 
-def layer(x, w, ck, cv, cos, sin, mask, slots, H, KV, D, eps, act):
-    """One decoder layer over x [B, T, hidden]; writes its new K/V into ck/cv [B, n_kv, L, D] at
-    `slots`. A plain function of tensors and constants, so torch.compile can fuse it (`compiled_layer`)."""
+def layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
+    """One decoder layer over the residual stream x [B, T, hidden] plus the previous layer's MLP
+    output r (added here, so that compiled the add fuses into this layer's first RMSNorm instead of
+    costing a kernel at the end of the previous call); writes its new K and V into kv
+    [2, B, n_kv, L, D] at `slots`, both with one copy. Returns (x, this layer's MLP output). A plain
+    function of tensors and constants, so torch.compile can fuse it (`compiled_layer`)."""
     B, T = x.shape[:2]
+    x = x + r
     h = rms(x, w["ln1"], eps)
     qkv = F.linear(h, w["qkv"], w["qkv_bias"]).view(B, T, H + 2 * KV, D)
     if w["q_norm"] is not None:  # Qwen3 normalises each head before rotary
@@ -115,13 +119,12 @@ def layer(x, w, ck, cv, cos, sin, mask, slots, H, KV, D, eps, act):
         qk, v = qkv[:, :, :H + KV], qkv[:, :, H + KV:]
     qk = rope(qk.transpose(1, 2), cos, sin)  # q and k rotated together: [B, H+KV, T, D]
     q, k = qk[:, :H], qk[:, H:]
-    ck.index_copy_(2, slots, k)
-    cv.index_copy_(2, slots, v.transpose(1, 2))
-    o = F.scaled_dot_product_attention(q, ck, cv, attn_mask=mask, enable_gqa=KV != H)
+    kv.index_copy_(3, slots, torch.stack((k, v.transpose(1, 2))))  # [2, B, KV, T, D]
+    o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, enable_gqa=KV != H)
     x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * D), w["o_proj"])
     h = rms(x, w["ln2"], eps)
     gate, up = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
-    return x + F.linear(act(gate) * up, w["down_proj"])
+    return x, F.linear(act(gate) * up, w["down_proj"])
 
 
 _COMPILED = None
@@ -139,10 +142,15 @@ def compiled_layer():
     return _COMPILED
 
 
-def forward(W, ids, pos, cache_k, cache_v, slots, key_valid, layer=layer):
+def new_cache(W, B: int, L: int, device) -> torch.Tensor:
+    """The static KV cache: [n_layers, 2 (K, V), B, n_kv, L, head_dim], zeros."""
+    return torch.zeros((W["n_layers"], 2, B, W["n_kv"], L, W["head_dim"]), dtype=W["dtype"], device=device)
+
+
+def forward(W, ids, pos, cache, slots, key_valid, layer=layer):
     """One forward over T new tokens per sequence, writing their K/V into the static cache.
 
-    ids [B, T]; pos [B, T] rotary positions; cache_k/v [n_layers, B, n_kv, L, D];
+    ids [B, T]; pos [B, T] rotary positions; cache [n_layers, 2, B, n_kv, L, D] (`new_cache`);
     slots [T] cache slots for the new tokens; key_valid [B, T, L] bool. Returns hidden [B, T, H].
     """
     dt = W["dtype"]
@@ -153,10 +161,10 @@ def forward(W, ids, pos, cache_k, cache_v, slots, key_valid, layer=layer):
     sin = (emb.sin() * W["rope_scale"]).to(dt)[:, None]
     mask = key_valid[:, None]  # [B, 1, T, L]
     act = getattr(F, W["act"]) if W["act"] != "swish" else F.silu
+    r = torch.zeros_like(x)
     for i, w in enumerate(W["layers"]):
-        x = layer(x, w, cache_k[i], cache_v[i], cos, sin, mask, slots, W["n_heads"], W["n_kv"], W["head_dim"],
-                  W["eps"], act)
-    return rms(x, W["norm"], W["eps"])
+        x, r = layer(x, r, w, cache[i], cos, sin, mask, slots, W["n_heads"], W["n_kv"], W["head_dim"], W["eps"], act)
+    return rms(x + r, W["norm"], W["eps"])
 
 
 def pick(logits, u, temperature, top_p, greedy, block_eos, eos):

@@ -148,15 +148,14 @@ class Engine:
         ids, pad_len, u = inp["ids"], inp["pad_len"], inp["u"]
         B, P = ids.shape
         L = P + max_new
-        ck = torch.zeros((W["n_layers"], B, W["n_kv"], L, W["head_dim"]), dtype=W["dtype"], device=dev)
-        cv = torch.zeros_like(ck)
+        kv = decoder.new_cache(W, B, L, dev)
         keys = torch.arange(L, device=dev)
         # causal over the padded block, pads never attended
         qpos = torch.arange(P, device=dev)
         valid = (keys[None, None, :] <= qpos[None, :, None]) & (keys[None, None, :] >= pad_len[:, None, None])
         valid |= (qpos[None, :, None] < pad_len[:, None, None]) & (keys[None, None, :] == qpos[None, :, None])
         pos = (qpos[None, :] - pad_len[:, None]).clamp_min(0)
-        h = decoder.forward(W, ids, pos, ck, cv, qpos, valid)[:, -1]  # [B, H]
+        h = decoder.forward(W, ids, pos, kv, qpos, valid)[:, -1]  # [B, H]
         logits = F.linear(h, W["head"])
         block = torch.full((B,), min_new > 0, device=dev) if min_new > 0 else None
         tok, lp = decoder.pick(logits, u[0], temperature, top_p, greedy, block, eos)
@@ -164,7 +163,7 @@ class Engine:
         lps = torch.zeros(B, max_new, device=dev)
         out[:, 0], lps[:, 0] = tok, lp
         return {"tok": tok.clone(), "slot": torch.full((1,), P, device=dev), "step": torch.full((1,), 1, device=dev),
-                "done": tok == eos, "out": out, "lp": lps, "u": u, "ck": ck, "cv": cv, "pad_len": pad_len,
+                "done": tok == eos, "out": out, "lp": lps, "u": u, "kv": kv, "pad_len": pad_len,
                 "keys": keys}
 
     def _step(self, st: dict, how: tuple) -> None:
@@ -174,7 +173,7 @@ class Engine:
         B = st["tok"].shape[0]
         slot, k = st["slot"], st["step"]
         valid = ((st["keys"][None, :] >= st["pad_len"][:, None]) & (st["keys"][None, :] <= slot))[:, None]
-        h = decoder.forward(W, st["tok"][:, None], (slot - st["pad_len"])[:, None], st["ck"], st["cv"], slot, valid,
+        h = decoder.forward(W, st["tok"][:, None], (slot - st["pad_len"])[:, None], st["kv"], slot, valid,
                             decoder.compiled_layer() if self.compile else decoder.layer)
         logits = F.linear(h[:, 0], W["head"])
         blk = (k < min_new).expand(B) if min_new > 0 else None

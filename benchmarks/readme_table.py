@@ -123,6 +123,7 @@ def table(path: Path) -> str:
     out += [f"| {a_} | {b_} | {c_} | {d_} |" for a_, b_, c_, d_ in rows]
     out += ["", _miniverl_line(mvs, ours, "in this run")]
     runs = results()
+    out += _earlier_arms(runs[:runs.index(path)], set(arm))
     for later in runs[runs.index(path) + 1:]:  # newer runs of workload a that did not measure TRL
         lr = json.loads(later.read_text())
         la = lr["workloads"].get("a")
@@ -146,6 +147,26 @@ def table(path: Path) -> str:
         out.append(line + _miniverl_line([s for s in la.get("systems", []) if s["name"].startswith("miniVERL")],
                                          lo if _ok(lo) else None, "there"))
     return "\n".join(out)
+
+
+def _earlier_arms(earlier: list[Path], present: set[str]) -> list[str]:
+    """A line per arm of ours that this run did not measure, from the newest earlier run that did
+    (with that run's default beside it: figures of different runs are not compared)."""
+    lines, seen = [], set(present)
+    for p in reversed(earlier):
+        la = json.loads(p.read_text())["workloads"].get("a") or {}
+        base = next((s for s in la.get("systems", []) if s["name"] == "opd-stages"), None)
+        for s in la.get("systems", []):
+            name = s["name"].removeprefix("opd-stages-")
+            if not s["name"].startswith("opd-stages-") or name in seen or not _ok(s):
+                continue
+            seen.add(name)
+            lines.append(f"Arm {name}, not in this run; its newest run (`{p.relative_to(ROOT)}`): "
+                         f"{s['median_update_s']} s/update, rollout {s['rollout_tok_per_s']} tok/s, peak "
+                         f"{s['peak_allocated_gib']['overall']:.2f} GiB"
+                         + (f" (the default there: {base['median_update_s']} s/update, peak "
+                            f"{base['peak_allocated_gib']['overall']:.2f} GiB)." if _ok(base) else "."))
+    return lines
 
 
 def _workload_b(path: Path):

@@ -123,8 +123,8 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     big = max(i * o for i, o in S.proj().values())
     prefill = B * Pb * (2 * S.hidden + 3 * S.inter) * s + 2 * B * S.heads * Pb * L * 4 + gqa  # activations + scores
     if x.engine and w["cuda_graphs"]:  # the captured prefill and decode step keep their static state and pool
-        eng.append(("student", f"captured prefill + decode graphs (one pool): static KV cache [{S.layers}, {B}, "
-                    f"{S.kv_heads}, {L}, {S.head_dim}] x2 + the larger of the two scratches",
+        eng.append(("student", f"captured prefill + decode graphs (one pool): static KV cache [{S.layers}, 2, "
+                    f"{B}, {S.kv_heads}, {L}, {S.head_dim}] + the larger of the two scratches",
                     kv + pick + max(prefill, gqa + B * (2 * S.hidden + 3 * S.inter) * s), False))
         if sq != "nf4" and not moves:  # the captured LoRA re-merge (sampler.Engine.refresh) keeps its scratch
             eng.append(("student", "captured LoRA re-merge (graph pool: fp32 merge of one projection)",
@@ -154,7 +154,8 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
         if moves:  # the engine is rebuilt inside each rollout: fp32 scratch of one merge
             ro.append(("student", "engine build scratch (fp32 merge of one projection)", 3 * big * 4, True))
         if not w["cuda_graphs"]:  # (with graphs: the captured state and pool above)
-            ro += [("student", f"KV cache of this call [{S.layers}, {B}, {S.kv_heads}, {L}, {S.head_dim}] x2", kv, False),
+            ro += [("student", f"KV cache of this call [{S.layers}, 2, {B}, {S.kv_heads}, {L}, {S.head_dim}]", kv,
+                    False),
                    ("student", f"prefill activations ({B} x {Pb} tokens) + attention scores", prefill, True),
                    ("student", "sampling buffers [B, V] fp32", pick, True)]
     else:  # transformers fallback: dynamic cache, LoRA unmerged, logits of every prompt position

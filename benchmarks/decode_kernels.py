@@ -13,6 +13,8 @@ replayed, per variant of stages/blocks/decoder.py:
              length-bucketed decode graph would read instead of the whole static cache)
   floatmask  compiled, the keys' mask handed to attention as an additive float bias made once per
              step (the engine hands a bool mask, which each layer's attention converts)
+  stack      the whole step's forward (all layers and the head) as one compilation, so that Inductor
+             may fuse across layer boundaries (the engine compiles one layer and calls it per layer)
 and the draw alone (decoder.pick) eager against compiled. (Matmuls and attention as reductions
 for Inductor, `rows`, were measured at a483038 and lost: results/2026-12-01-h200-decode-kernels-rows.md;
 a hand-written Triton matmul for the step's few rows, `skinny`, at 7fbcb21 and lost to cuBLAS at
@@ -37,7 +39,7 @@ SHAPES = {  # workload a (the seed) and b of benchmarks/systems.py: batch, promp
     "a": ("smollm2-360m", 4, 128, 64),
     "b": ("qwen3-0.6b", 64, 128, 512),
 }
-VARIANTS = ["compiled", "floatmask", "eager", "window", "wt", "autotune"]
+VARIANTS = ["compiled", "floatmask", "stack", "eager", "window", "wt", "autotune"]
 
 
 def linear_t(x, w, b=None):
@@ -126,6 +128,9 @@ def _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear) 
         st["float_mask"] = v == "floatmask"
         if v == "eager":
             fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, decoder.layer))  # noqa: E731
+        elif v == "stack":
+            whole = torch.compile(lambda: logits_fn(W, st, decoder.layer), fullgraph=True, dynamic=False)  # noqa: B023
+            fn = lambda: step_fn(W, st, whole)  # noqa: E731
         else:
             if v == "autotune":
                 import torch._inductor.config as ic

@@ -18,7 +18,7 @@ replayed, per variant of stages/blocks/decoder.py:
 and the draw alone (decoder.pick) eager against compiled. (Matmuls and attention as reductions
 for Inductor, `rows`, were measured at a483038 and lost: results/2026-12-01-h200-decode-kernels-rows.md;
 a hand-written Triton matmul for the step's few rows, `skinny`, at 7fbcb21 and lost to cuBLAS at
-every shape and setting: -decode-kernels-skinny.md.) Numerics: each variant's logits against
+every setting at the seed (batch 4) shapes: -decode-kernels-skinny.md.) Numerics: each variant's logits against
 the eager variant's on the same state (max |diff|, argmax agreement).
 
     python benchmarks/decode_kernels.py --out $OUT   # CUDA only; writes decode-kernels.{json,md}
@@ -64,7 +64,7 @@ def state(W, B: int, P: int, N: int, live: int):
     """A mid-rollout state: the cache filled up to `live` positions, the next token's inputs."""
     g = torch.Generator(device="cuda").manual_seed(0)
     L = P + N
-    kv = torch.randn(decoder.new_cache(W, B, L, "cuda").shape, generator=g, device="cuda", dtype=W["dtype"])
+    kv = torch.randn(decoder.new_cache(W, B, L, "meta").shape, generator=g, device="cuda", dtype=W["dtype"])
     keys = torch.arange(L, device="cuda")
     return {"tok": torch.randint(0, W["embed"].shape[0], (B, 1), generator=g, device="cuda"),
             "pos": torch.full((B, 1), live, device="cuda"), "slot": torch.full((1,), live, device="cuda"),
@@ -198,6 +198,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=420, help="stop starting variants after this")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ",".join(VARIANTS))
     args = ap.parse_args()
+    bad = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if bad:
+        ap.error(f"--variants: unknown {bad}; expected some of {','.join(VARIANTS)}")
     VARIANTS[:] = args.variants.split(",")  # (the eager one is the numerics reference)
     deadline = time.monotonic() + args.budget_s
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}

@@ -161,7 +161,7 @@ def _earlier_arms(earlier: list[Path], present: set[str]) -> list[str]:
             if not s["name"].startswith("opd-stages-") or name in seen or not _ok(s):
                 continue
             seen.add(name)
-            lines.append(f"Arm {name}, not in this run; its newest run (`{p.relative_to(ROOT)}`): "
+            lines.append(f"Arm {name}, not in this run; the newest run that measured it (`{p.relative_to(ROOT)}`): "
                          f"{s['median_update_s']} s/update, rollout {s['rollout_tok_per_s']} tok/s, peak "
                          f"{s['peak_allocated_gib']['overall']:.2f} GiB"
                          + (f" (the default there: {base['median_update_s']} s/update, peak "

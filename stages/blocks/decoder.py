@@ -106,8 +106,9 @@ def layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
     """One decoder layer over the residual stream x [B, T, hidden] plus the previous layer's MLP
     output r (added here, so that compiled the add fuses into this layer's first RMSNorm instead of
     costing a kernel at the end of the previous call); writes its new K and V into kv
-    [2, B, n_kv, L, D] at `slots`, both with one index_copy_ (one kernel, compiled). Returns (x, this layer's MLP output). A plain
-    function of tensors and constants, so torch.compile can fuse it (`compiled_layer`)."""
+    [2, B, n_kv, L, D] at `slots`, both with one index_copy_ (one kernel, compiled). Returns (x,
+    this layer's MLP output). A plain function of tensors and constants, so torch.compile can fuse
+    it (`compiled_layer`)."""
     B, T = x.shape[:2]
     x = x + r
     h = rms(x, w["ln1"], eps)

@@ -132,10 +132,7 @@ def table(path: Path) -> str:
         line = f"A later, partial run (`{later.relative_to(ROOT)}`, {lr['date']}): "
         for lo in (s for s in la.get("systems", []) if s["name"].startswith("opd-stages")):  # default and arms, by name
             if _ok(lo):
-                line += (f"{lo['name']} {lo['median_update_s']} s/update (rollout {lo['median_rollout_s']} s, "
-                         f"{lo['rollout_tok_per_s']} tok/s; score {lo['median_score_s']} s; update phase "
-                         f"{lo['median_update_phase_s']} s; peak {lo['peak_allocated_gib']['overall']:.2f} GiB; "
-                         f"first update {lo['first_update_incl_construction_s']} s); ")
+                line += f"{lo['name']} {_figures(lo)}; "
             else:
                 line += f"{lo['name']} not measured ({_first_line(lo['error'])}); "
         lo = next((s for s in la.get("systems", []) if s["name"] == "opd-stages"), None)
@@ -162,11 +159,15 @@ def _earlier_arms(earlier: list[Path], present: set[str]) -> list[str]:
                 continue
             seen.add(name)
             lines.append(f"Arm {name}, not in this run; the newest run that measured it (`{p.relative_to(ROOT)}`): "
-                         f"{s['median_update_s']} s/update, rollout {s['rollout_tok_per_s']} tok/s, peak "
-                         f"{s['peak_allocated_gib']['overall']:.2f} GiB"
-                         + (f" (the default there: {base['median_update_s']} s/update, peak "
-                            f"{base['peak_allocated_gib']['overall']:.2f} GiB)." if _ok(base) else "."))
+                         f"{_figures(s)}" + (f"; the default there: {_figures(base)}." if _ok(base) else "."))
     return lines
+
+
+def _figures(s: dict) -> str:
+    """One system's figures of workload a, as the lines under the table give them."""
+    return (f"{s['median_update_s']} s/update (rollout {s['median_rollout_s']} s, {s['rollout_tok_per_s']} tok/s; "
+            f"score {s['median_score_s']} s; update phase {s['median_update_phase_s']} s; peak "
+            f"{s['peak_allocated_gib']['overall']:.2f} GiB; first update {s['first_update_incl_construction_s']} s)")
 
 
 def _workload_b(path: Path):

@@ -18,7 +18,9 @@ replayed, per variant of stages/blocks/decoder.py:
 and the draw alone (decoder.pick) eager against compiled. (Matmuls and attention as reductions
 for Inductor, `rows`, were measured at a483038 and lost: results/2026-12-01-h200-decode-kernels-rows.md;
 a hand-written Triton matmul for the step's few rows, `skinny`, at 7fbcb21 and lost to cuBLAS at
-every setting at the seed (batch 4) shapes: -decode-kernels-skinny.md.) Numerics: each variant's logits against
+every setting at the seed (batch 4) shapes: -decode-kernels-skinny.md. At 11f8aee, seed shapes:
+floatmask 1.356 ms/step against compiled 1.386 (2%), stack 1.688 (lost; 25 s to compile):
+results/2026-12-02-h200-11f8aee-decode-kernels-floatmask-stack.md.) Numerics: each variant's logits against
 the eager variant's on the same state (max |diff|, argmax agreement).
 
     python benchmarks/decode_kernels.py --out $OUT   # CUDA only; writes decode-kernels.{json,md}

@@ -415,6 +415,10 @@ OURS_ARMS = {
     "nf4": (("student.quant=nf4", "teacher.quant=nf4"), 45),  # QLoRA: NF4 student (LoRA on it) and teacher
     "nf4teacher": (("teacher.quant=nf4",), 45),  # bf16 student, NF4 teacher: the teacher's memory only
     "nf4teacher_ckpt": (("teacher.quant=nf4", "train.activation_checkpointing=true"), 45),  # the least memory with a bf16 student
+    # the rollout samples from the student's own weights, LoRA merged in place (no engine copy)
+    "inplace_ckpt": (("memory.merge_in_place=true", "train.activation_checkpointing=true"), 45),
+    "inplace_nf4teacher_ckpt": (("memory.merge_in_place=true", "teacher.quant=nf4",
+                                 "train.activation_checkpointing=true"), 45),
 }
 
 
@@ -444,7 +448,8 @@ def main(argv=None) -> int:
                          "teacher-forced forwards replayed from CUDA graphs), nographs (runtime.cuda_graphs=false), "
                          "layers (runtime.compile_layers=true: compiled decoder layers for update and score), "
                          "eager (runtime.compile=false), ckpt (activation checkpointing), nf4 (NF4 student and "
-                         "teacher; bitsandbytes), nf4teacher (NF4 teacher only), nf4teacher_ckpt (with activation checkpointing)")
+                         "teacher; bitsandbytes), nf4teacher (NF4 teacher only), nf4teacher_ckpt (with activation checkpointing), "
+                         "inplace_ckpt and inplace_nf4teacher_ckpt (those with memory.merge_in_place=true)")
     ap.add_argument("--peer-updates", type=int, default=0,
                     help="updates for miniVERL's arms (0: the workload's); medians skip the first either way")
     ap.add_argument("--miniverl-arms", default=",".join(a for a, _, _ in MINIVERL_ARMS))

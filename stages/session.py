@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .blocks import adapters, graphs, hostmem, identity, memory, models, phases, plan, reproducible, sampler, tables
+from .blocks import (adapters, decoder, graphs, hostmem, identity, memory, models, phases, plan, reproducible,
+                     sampler, tables)
 from .blocks.config import Config, logit_temperature
 from .blocks.errors import UserError
 from .blocks.store import Store, link, seed_of, write_json
@@ -54,6 +55,13 @@ class Session:
         if self._student is None:
             _ = self.placement  # decided (or refused) before any weights load
             base = models.load(self.model_dir("student"), self.cfg.student, self.device, self.dtype)
+            if self.cfg.memory.merge_in_place:
+                why = sampler.supported(base)
+                if why:
+                    print(f"warning: memory.merge_in_place: no fast rollout engine ({why}); nothing is merged in "
+                          "place", file=sys.stderr)
+                else:  # before any graph captures the weights' addresses
+                    decoder.fuse_projections(base)
             if self.cfg.train.activation_checkpointing:  # only active in train() mode, i.e. the update
                 models.enable_activation_checkpointing(base, preserve_rng_state=self.cfg.lora.dropout > 0)
             self._student = models.add_lora(base, self.cfg.lora, seed_of(self.init_digest()))
@@ -208,8 +216,10 @@ class Session:
     def engine(self):
         """The rollout engine for the student's current policy (None: transformers fallback)."""
         if self._engine is None:
-            self._engine = sampler.make(self.student(), self.cfg.rollout.cuda_graphs, self.compiled_decode,
-                                        self.store.flush) or False
+            student = self.student()
+            in_place = "_opd_flat" in models.base_of(student).__dict__  # (memory.merge_in_place: fused at load)
+            self._engine = sampler.make(student, self.cfg.rollout.cuda_graphs, self.compiled_decode,
+                                        self.store.flush, in_place) or False
         return self._engine or None
 
     def generate(self, prompt_ids: list[list[int]], max_new: int, seed: int, greedy: bool = False,
@@ -327,8 +337,10 @@ class Session:
 @contextmanager
 def phase(device: torch.device, record: dict, tokens: int = 0):
     """Time a phase and record wall time, tokens/s and peak memory into `record`."""
+    # the current stream only: a side stream's copy (memory.merge_in_place's copy back of the student's
+    # weights after a rollout, an update's snapshot) overlaps the next phase instead of ending this one
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
         torch.cuda.reset_peak_memory_stats()
     else:
         _reset_rss_peak()
@@ -336,7 +348,7 @@ def phase(device: torch.device, record: dict, tokens: int = 0):
     box = {"tokens": tokens}
     yield box
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
         record["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 4)
         record["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 4)
     else:

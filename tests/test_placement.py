@@ -274,6 +274,26 @@ def test_gpu_swap_and_shared_publish_what_resident_does(work):
 
 
 @pytest.mark.gpu
+def test_gpu_merge_in_place_publishes_what_resident_does(work):
+    # CUDA: the merge is a replayed graph and the copy back runs on a side stream, overlapping the
+    # score; the update's forward waits for it on the device (decoder.base_ready)
+    outs = {}
+    for flag in ("false", "true"):
+        for stage in ("score", "update", "rollout"):
+            shutil.rmtree(work / "artifacts" / "store" / stage, ignore_errors=True)
+        dig, adapter, sess = _final_adapter(work, "memory.placement=resident", "runtime.device=cuda",
+                                            f"memory.merge_in_place={flag}")
+        roll = sess.store.path("rollout", sess.rollout_digest(2)) / "rollout.parquet"
+        outs[flag] = (dig, adapter, roll.read_bytes())
+        assert sess.engine().in_place == (flag == "true")
+        if flag == "true":  # the student's base is pristine after the last rollout's copy back
+            base = models.base_of(sess.student())
+            torch.cuda.synchronize()
+            assert torch.equal(base.__dict__["_opd_flat"].cpu(), base.__dict__["_opd_pristine"])
+    assert outs["false"] == outs["true"]
+
+
+@pytest.mark.gpu
 def test_gpu_oom_retry_under_a_tiny_budget(work):
     # vram_gib caps the caching allocator: a [256, 49152] fp32 chunk (48 MiB each) cannot fit 4 times.
     # The rollout is not under test and has no retry: eager decode (no graph capture, whose side stream
@@ -286,3 +306,76 @@ def test_gpu_oom_retry_under_a_tiny_budget(work):
     assert r.returncode == 0, r.stderr
     st = json.loads((work / "artifacts/runs/default/step-0001/state.json").read_text())
     assert st["score"].get("oom_retries", 0) + st["policy"].get("oom_retries", 0) >= 1, st
+
+
+# ---- memory.merge_in_place: the engine merges into the student's own weights ----
+
+def test_fused_projections_compute_what_the_model_computed():
+    from engine_models import tiny, with_trained_lora
+    from stages.blocks import decoder
+
+    ref, fused = with_trained_lora(tiny()), tiny()
+    decoder.fuse_projections(fused)
+    fused = with_trained_lora(fused)  # the order Session uses: fused at load, then the adapter
+    base = models.base_of(fused)
+    flat = base.__dict__["_opd_flat"]
+    a = base.model.layers[1].self_attn
+    assert a.k_proj.base_layer.weight.data_ptr() == a.q_proj.base_layer.weight.data_ptr() + \
+        a.q_proj.base_layer.weight.numel() * flat.element_size()  # q|k|v rows of one matrix
+    assert a.__dict__["_opd_qkv"].data_ptr() == a.q_proj.base_layer.weight.data_ptr()
+    lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+    for n, p in base.model.layers.named_parameters():
+        if n.endswith("base_layer.weight"):
+            assert lo <= p.data_ptr() < hi, n
+    for (n, p), (m, q) in zip(ref.named_parameters(), fused.named_parameters()):
+        assert n == m and torch.equal(p, q), n
+    p = lmhead.pack([[1, 500, 600, 700], [1, 42]], [[5, 6, 7, 8, 9], [11, 12, 13]], [[1] * 5, [1] * 3], 2, "cpu")
+    with torch.no_grad():
+        assert torch.equal(lmhead.hidden(ref, p), lmhead.hidden(fused, p))
+
+
+def test_in_place_engine_samples_what_the_copy_samples_and_restores_the_base():
+    from engine_models import PROMPTS, tiny, with_trained_lora
+    from stages.blocks import decoder
+
+    ref, fused = with_trained_lora(tiny()), tiny()
+    decoder.fuse_projections(fused)
+    fused = with_trained_lora(fused)
+    base = models.base_of(fused)
+    before = base.__dict__["_opd_flat"].clone()
+    copy_eng, own = sampler.make(ref, False), sampler.make(fused, False, in_place=True)
+    assert own.W["layers"][0]["gate_up"].data_ptr() == base.model.layers[0].mlp.gate_proj.base_layer.weight.data_ptr()
+    kw = dict(eos=-1, pad=2, seed=3, temperature=0.8)
+    for _ in range(2):  # twice: the second merge starts from the restored base, not from merged weights
+        a, b = copy_eng.generate(PROMPTS, 7, **kw), own.generate(PROMPTS, 7, **kw)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+        assert torch.equal(base.__dict__["_opd_flat"], before)  # the student's base is pristine again
+    perturb_lora(ref, 5)
+    perturb_lora(fused, 5)  # a new policy version: picked up by the next generate
+    copy_eng.refresh()
+    own.refresh()
+    a, b = copy_eng.generate(PROMPTS, 7, **kw), own.generate(PROMPTS, 7, **kw)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+    assert torch.equal(base.__dict__["_opd_flat"], before)
+
+
+def test_merge_in_place_run_publishes_what_the_copy_does(work):
+    outs = {}
+    for flag in ("false", "true"):
+        for stage in ("rollout", "score", "update"):
+            shutil.rmtree(work / "artifacts" / "store" / stage, ignore_errors=True)
+        dig, adapter, sess = _final_adapter(work, "memory.placement=resident", f"memory.merge_in_place={flag}")
+        roll = sess.store.path("rollout", sess.rollout_digest(2)) / "rollout.parquet"
+        outs[flag] = (dig, adapter, roll.read_bytes())
+        assert ("_opd_flat" in models.base_of(sess.student()).__dict__) == (flag == "true")
+        assert sess.engine().in_place == (flag == "true")
+    assert outs["false"] == outs["true"]
+
+
+def test_merge_in_place_refusals(work):
+    with pytest.raises(UserError, match="merge_in_place"):
+        session(work, "memory.merge_in_place=true", "student.quant=nf4")
+    sess = session(work, "memory.merge_in_place=true", "memory.placement=swap")
+    with pytest.raises(UserError, match="memory.placement=swap with memory.merge_in_place=true"):
+        sess.student()
+    assert sess._student is None

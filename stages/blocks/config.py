@@ -166,6 +166,12 @@ class MemoryCfg:
     margin: float = 0.1  # fraction of the budget kept free (CUDA context, allocator fragmentation, estimate error)
     chunk_floor: int = 16  # a CUDA OOM in score/update halves the position chunk down to this, then errors
     probe: bool = False  # `opd plan` also runs the bounded CUDA probe (as --probe does)
+    # The rollout engine merges the LoRA into the student's own base weights for each rollout and
+    # restores them from a pinned host copy afterwards (CUDA: asynchronously, beside the score), instead
+    # of keeping a merged copy of the student on the device (stages/blocks/sampler.py). Saves that
+    # copy's bytes (SmolLM2-360M: 0.59 GiB) for a host-to-device copy per step; same numbers either way.
+    # Resident placement, unquantized student; on CPU the host copy takes what it saves
+    merge_in_place: bool = False
 
 
 @dataclass

@@ -53,10 +53,61 @@ def bias_of(lin):
     return lin.bias
 
 
+def _plain(lin):
+    return getattr(lin, "base_layer", lin)
+
+
 @torch.no_grad()
-def sampling_weights(model) -> dict:
+def fuse_projections(model) -> None:
+    """Re-home the base weights of every decoder layer's projections into one flat buffer, in the
+    order the decode step reads them (per layer q|k|v, o, gate|up, down), so that the fused q/k/v
+    and gate/up matrices it multiplies by are views of the model's own weights, and keep a pristine
+    copy of that buffer in host memory (pinned on CUDA). The rollout engine then merges the LoRA
+    into the weights themselves for a rollout and copies the pristine bytes back after it
+    (memory.merge_in_place; sampler.Engine, docs/architecture.md "Rollout engine"): no second copy
+    of the student on the device. The model computes what it computed: each weight keeps its shape
+    and values as a contiguous view. Call before any forward is captured (the views are new addresses)."""
+    base = models.base_of(model)
+    groups = []  # (module that keeps the fused view, its attribute, the projections in order)
+    for layer in base.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        groups += [(a, "_opd_qkv", (a.q_proj, a.k_proj, a.v_proj)), (None, "", (a.o_proj,)),
+                   (m, "_opd_gate_up", (m.gate_proj, m.up_proj)), (None, "", (m.down_proj,))]
+    ALIGN = 128  # elements: each group starts 256-byte aligned, as a fresh allocation would for cuBLAS
+    starts, n = [], 0
+    for *_, lins in groups:
+        starts.append(n)
+        n += -(-sum(_plain(x).weight.numel() for x in lins) // ALIGN) * ALIGN
+    w0 = _plain(groups[0][2][0]).weight
+    flat = torch.empty(n, dtype=w0.dtype, device=w0.device)
+    for (owner, attr, lins), off in zip(groups, starts):
+        start = off
+        for lin in lins:
+            w = _plain(lin).weight
+            view = flat[off:off + w.numel()].view(w.shape)
+            view.copy_(w)
+            w.data = view  # the Parameter now lives in the flat buffer; its old storage is freed
+            off += w.numel()
+        if owner is not None:  # [rows of all its projections, in_features]
+            owner.__dict__[attr] = flat[start:off].view(-1, w0.shape[1])
+    pristine = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=flat.device.type == "cuda")
+    base.__dict__["_opd_flat"], base.__dict__["_opd_pristine"] = flat, pristine.copy_(flat)
+
+
+def base_ready(model) -> None:
+    """Before a forward reads the student's base weights: wait (on the device, the host goes on) for
+    the copy back of the pristine weights after an in-place merged rollout (sampler.Engine)."""
+    ev = models.base_of(model).__dict__.get("_opd_restored")
+    if ev is not None:
+        torch.cuda.current_stream().wait_event(ev)
+
+
+@torch.no_grad()
+def sampling_weights(model, in_place: bool = False) -> dict:
     """Plain tensors for the functional decoder, LoRA merged, q/k/v and gate/up concatenated so a
-    decode step launches one matmul for each (fewer, larger kernels). Built once per policy version."""
+    decode step launches one matmul for each (fewer, larger kernels). Built once per policy version.
+    in_place: the model's own base weights after `fuse_projections` (nothing copied; the engine
+    merges the LoRA into them for each rollout)."""
     base = models.base_of(model)
     inner, cfg = base.model, base.config
     dtype = inner.embed_tokens.weight.dtype
@@ -64,12 +115,16 @@ def sampling_weights(model) -> dict:
     for layer in inner.layers:
         a, m = layer.self_attn, layer.mlp
         biases = [bias_of(getattr(a, p)) for p in PROJ[:3]]
+        if in_place:
+            own = {"qkv": a.__dict__["_opd_qkv"], "o_proj": _plain(a.o_proj).weight,
+                   "gate_up": m.__dict__["_opd_gate_up"], "down_proj": _plain(m.down_proj).weight}
+        else:
+            own = {"qkv": torch.cat([merged_weight(getattr(a, p), dtype) for p in PROJ[:3]]),
+                   "o_proj": merged_weight(a.o_proj, dtype),
+                   "gate_up": torch.cat([merged_weight(m.gate_proj, dtype), merged_weight(m.up_proj, dtype)]),
+                   "down_proj": merged_weight(m.down_proj, dtype)}
         layers.append({
-            "qkv": torch.cat([merged_weight(getattr(a, p), dtype) for p in PROJ[:3]]),
-            "qkv_bias": None if biases[0] is None else torch.cat(biases),
-            "o_proj": merged_weight(a.o_proj, dtype),
-            "gate_up": torch.cat([merged_weight(m.gate_proj, dtype), merged_weight(m.up_proj, dtype)]),
-            "down_proj": merged_weight(m.down_proj, dtype),
+            **own, "qkv_bias": None if biases[0] is None else torch.cat(biases),
             "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
             "q_norm": getattr(getattr(a, "q_norm", None), "weight", None),
             "k_norm": getattr(getattr(a, "k_norm", None), "weight", None),

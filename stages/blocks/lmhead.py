@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import graphs, models
+from . import decoder, graphs, models
 
 
 @dataclass
@@ -84,6 +84,7 @@ def hidden(model, p: Packed) -> torch.Tensor:
     Layers compiled for training (models.compile_layers) run eager in eval mode (another grad mode
     would compile again). A compilation that fails (no working Triton) falls back to the eager
     layers for the rest of the process, with one warning."""
+    decoder.base_ready(model)  # memory.merge_in_place: the rollout's merge undone before the weights are read
     base = models.base_of(model)
     compiled = getattr(base, "_opd_compiled", None)
     eager = compiled == "training" and not getattr(model, "training", False)

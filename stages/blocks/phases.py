@@ -15,7 +15,8 @@ What each phase holds (steady state, step >= 2; bytes; s = bytes of the compute 
            (eager); a captured update's pool holds its activations and backward scratch together,
            across phases, and the loss chunk comes on top
 The student's LoRA grads and AdamW moments (2 x fp32) stay resident between steps, as does the
-engine's copy (q/k/v and gate/up fused, targeted o/down merged). Under resident every phase also
+engine's copy (q/k/v and gate/up fused, targeted o/down merged); with memory.merge_in_place there is
+no copy on the device (the engine merges into the student's own weights and restores them from host memory). Under resident every phase also
 holds the idle role; under swap it waits in host memory (with its moments and engine); under
 shared_backbone the teacher is the student's base (no second copy). t = B * (P + max_new).
 The activation terms were checked against autograd's saved tensors (CPU, real SmolLM2-360M
@@ -27,8 +28,8 @@ import math
 from dataclasses import dataclass
 
 from .. import objectives
-from .shapes import (Shape, dequant_bytes, engine_copy_bytes, forward_bytes, lora_params, saved_per_token_layer,
-                     weight_bytes)
+from .shapes import (Shape, dequant_bytes, engine_copy_bytes, forward_bytes, lora_params, pristine_bytes,
+                     saved_per_token_layer, weight_bytes)
 
 PHASES = ("rollout", "score", "update")
 ENGINE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}  # stages/blocks/sampler.py SUPPORTED (no torch import here)
@@ -71,6 +72,11 @@ class Ctx:
         """The fast rollout engine runs (merged LoRA copy, static KV cache; an NF4 base from a dense copy)
         or the transformers fallback (int8)."""
         return self.S.model_type in ENGINE_TYPES and self.cfg.student.quant in ("none", "nf4")
+
+
+def in_place(x: Ctx) -> bool:
+    """memory.merge_in_place takes effect: the engine samples from the student's own weights."""
+    return x.engine and x.cfg.student.quant == "none" and getattr(x.cfg.memory, "merge_in_place", False)
 
 
 def workload(x: Ctx) -> dict:
@@ -117,9 +123,17 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     kv = 2 * S.layers * B * S.kv_heads * L * S.head_dim * s
     pick = B * V * (s + 16 + (21 if cfg.rollout.top_p < 1 else 0))  # head output + fp32 logits/logp/probs/cdf
     gqa = 2 * B * S.heads * L * S.head_dim * s if S.heads != S.kv_heads else 0  # math SDPA repeats k/v
-    eng = [("student", "rollout engine weights (fused q/k/v, gate/up; merged LoRA"
-            + ("; every projection dequantized from NF4)" if sq == "nf4" else ")"),
-            engine_copy_bytes(S, cfg.lora, s, dense=sq == "nf4"), False)] if x.engine else []
+    if not x.engine:
+        eng = []
+    elif in_place(x):  # the student's own weights; their pristine copy waits in host memory (on CPU: here)
+        eng = [("student", "rollout engine weights: the student's own, LoRA merged in place for each rollout"
+                + ("; no copy on the device, the pristine one in host memory" if x.device == "cuda"
+                   else " (pristine copy)"),
+                0 if x.device == "cuda" else pristine_bytes(S, s), False)]
+    else:
+        eng = [("student", "rollout engine weights (fused q/k/v, gate/up; merged LoRA"
+                + ("; every projection dequantized from NF4)" if sq == "nf4" else ")"),
+                engine_copy_bytes(S, cfg.lora, s, dense=sq == "nf4"), False)]
     big = max(i * o for i, o in S.proj().values())
     prefill = B * Pb * (2 * S.hidden + 3 * S.inter) * s + 2 * B * S.heads * Pb * L * 4 + gqa  # activations + scores
     if x.engine and w["cuda_graphs"]:  # the captured prefill and decode step keep their static state and pool
@@ -191,7 +205,7 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
            ("student", "quantized matmul scratch", dequant_bytes(S, sq, t, s), False)]
     out["update"] = up
 
-    return {ph: [i for i in items if i[2] or "shared" in i[1]] for ph, items in out.items()}
+    return {ph: [i for i in items if i[2] or "shared" in i[1] or "no copy" in i[1]] for ph, items in out.items()}
 
 
 def phase_total(items) -> int:

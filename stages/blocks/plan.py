@@ -12,8 +12,8 @@ import sys
 
 from .errors import UserError
 from .memory import GIB, device_total
-from .phases import ENV_TOOL_TOKENS, Ctx, phase_total, phases, workload
-from .shapes import lora_params, shape_of, weight_bytes
+from .phases import ENV_TOOL_TOKENS, Ctx, in_place, phase_total, phases, workload
+from .shapes import lora_params, pristine_bytes, shape_of, weight_bytes
 
 PLACEMENTS = ("resident", "swap", "shared_backbone")
 
@@ -25,6 +25,11 @@ BASE_KEYS = ("name", "revision", "init", "keep_layers", "quant", "double_quant",
 
 def refusal(cfg, placement: str) -> str | None:
     """Why `placement` cannot run this config (None: it can). Weight-free."""
+    if placement in ("swap", "shared_backbone") and getattr(cfg.memory, "merge_in_place", False):
+        return (f"memory.placement={placement} with memory.merge_in_place=true: "
+                + ("swap moves the student to host memory and back, which would undo its weights' fused layout"
+                   if placement == "swap" else "the teacher reads the student's base while a rollout has "
+                   "the LoRA merged into it") + "; use memory.placement=resident or memory.merge_in_place=false")
     if placement == "swap":
         for role in ("student", "teacher"):
             q = getattr(cfg, role).quant
@@ -130,6 +135,8 @@ def _variants(cfg):
         yield "placement", [[("memory.placement", p)] for p in PLACEMENTS if p != cfg.memory.placement]
     if not getattr(cfg.train, "activation_checkpointing", True):
         yield "checkpointing", [[("train.activation_checkpointing", True)]]
+    if cfg.student.quant == "none" and not getattr(cfg.memory, "merge_in_place", True):
+        yield "in_place", [[("memory.merge_in_place", True)]]
     chunks, c = [], cfg.train.chunk // 2
     while c >= max(1, cfg.memory.chunk_floor):
         chunks.append([("train.chunk", c)])
@@ -173,7 +180,7 @@ def suggestions(cfg, shapes: dict, usable: float) -> list[dict]:
             if t["fits"]:
                 out.append(t)
                 break
-        if group and label not in ("placement", "checkpointing"):
+        if group and label not in ("placement", "checkpointing", "in_place"):
             strongest += group[-1]
     if not out and strongest:
         out.append(_try(cfg, strongest, shapes, usable))
@@ -216,7 +223,9 @@ def estimate(cfg, shapes: dict | None = None) -> dict:
     models_out["student"]["lora_params"] = lora_params(x.S, cfg.lora)
     models_out["student"]["rollout_engine"] = ("transformers fallback" if not x.engine else
                                                "fast (dense copy of the NF4 base, merged LoRA)"
-                                               if cfg.student.quant == "nf4" else "fast (merged LoRA)")
+                                               if cfg.student.quant == "nf4" else
+                                               "fast (LoRA merged into the student's own weights)" if in_place(x)
+                                               else "fast (merged LoRA)")
     placements = {}
     for p, r in ev.items():
         if "refused" in r:
@@ -236,6 +245,10 @@ def estimate(cfg, shapes: dict | None = None) -> dict:
     if getattr(getattr(cfg, "env", None), "name", None):
         notes.append(f"env rollouts: response = max_turns x (max_tokens_per_turn + {ENV_TOOL_TOKENS} assumed "
                      "tool tokens)")
+    if in_place(x):
+        notes.append(f"memory.merge_in_place: the student's projections' pristine copy, "
+                     f"{_gib(pristine_bytes(x.S, x.s)):.2f} GiB, stays in host memory"
+                     + (" (pinned), copied back to the device after each rollout" if x.device == "cuda" else ""))
     if x.device == "cuda":
         notes.append("CUDA context and allocator fragmentation are outside these figures: memory.margin covers them")
         if chosen == "swap" and cfg.memory.placement == "auto" and not cfg.train.activation_checkpointing:

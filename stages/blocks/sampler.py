@@ -3,7 +3,9 @@ the prefill and of the decode step, so no per-token (or per-layer) Python dispat
 code runs on CPU (eager).
 
 It runs the functional decoder of `decoder.py` over weights with the LoRA merged once per policy
-version. An NF4 base (QLoRA) is sampled from a dense copy of its weights, LoRA merged: the
+version: a merged copy the engine keeps, or (memory.merge_in_place) the student's own base weights,
+the LoRA merged into them for each rollout and the pristine bytes copied back from host memory
+after it (`decoder.fuse_projections`). An NF4 base (QLoRA) is sampled from a dense copy of its weights, LoRA merged: the
 engine's speed for the cost of one dense copy of the student. An int8 base (LLM.int8 quantizes the
 activations too, so dequantized weights would not sample what its forward computes) or an
 unsupported architecture uses `hf_generate` (transformers forward, LoRA unmerged) with a one-line
@@ -52,12 +54,15 @@ def supported(model) -> str | None:
 class Engine:
     """Sampling for one policy version: weights, static KV cache and captured graphs per bucket."""
 
-    def __init__(self, model, use_graphs: bool = True, compile: bool = False, before_capture=None):
+    def __init__(self, model, use_graphs: bool = True, compile: bool = False, before_capture=None,
+                 in_place: bool = False):
         self.model = model
         # called before each capture: a background publish's device sync in another thread would
         # invalidate it (Session passes the store's flush)
         self.before_capture = before_capture or (lambda: None)
-        self.W = decoder.sampling_weights(model)
+        # the student's own weights (decoder.fuse_projections ran at load), merged for each generate
+        self.in_place = in_place
+        self.W = decoder.sampling_weights(model, in_place=in_place)
         self.device = self.W["embed"].device
         self.use_graphs = use_graphs and self.device.type == "cuda"
         # the compiled decode layer runs inside the captured graph only (CPU and eager CUDA: `layer`)
@@ -66,12 +71,18 @@ class Engine:
         base = models.base_of(model)
         self.nf4 = any(decoder.is_nf4(m) for m in base.model.layers.modules() if isinstance(m, torch.nn.Linear))
         self._refresh = None  # (parameter addresses, the captured LoRA re-merge)
-        if self.use_graphs and not self.nf4 and any(_adapted(base.model)):
+        self._side = None  # in place, CUDA: the stream that copies the pristine weights back
+        if self.use_graphs and not self.nf4 and not in_place and any(_adapted(base.model)):
             self.refresh()  # the weights as every later version gets them: from the captured merge
 
-    @torch.no_grad()
     def refresh(self, model=None) -> None:
-        """New policy version: re-merge the LoRA into the sampling weights in place, one matrix at a
+        """New policy version. In place there is nothing to do now: each generate merges."""
+        if not self.in_place:
+            self._remerge(model)
+
+    @torch.no_grad()
+    def _remerge(self, model=None) -> None:
+        """Re-merge the LoRA into the sampling weights in place, one matrix at a
         time (no second copy of the weights; captured graphs keep reading the same buffers). On CUDA
         the merge (a few small kernels per adapted projection, 7 x 32 of them in a LoRA'd SmolLM2-360M;
         22 ms of host time eager, 5 ms replayed on the H200) is
@@ -91,6 +102,8 @@ class Engine:
         with torch.cuda.stream(s):
             self._merge(inner)  # warm-up before the capture (cuBLAS handles and workspaces)
         torch.cuda.current_stream().wait_stream(s)
+        if self.in_place:  # the warm-up merged into the weights themselves: pristine again before the replay
+            self._pristine(blocking=True)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             self._merge(inner)  # (captured, not run)
@@ -108,9 +121,40 @@ class Engine:
                 del merged
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new: int, *, eos: int, pad: int, seed: int,
-                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                 min_new: int = 0) -> Rollout:
+    def _restore(self) -> None:
+        """In place, after a rollout: the student's base weights back from their pristine host copy.
+        On CUDA on a side stream, without blocking: the teacher's scoring overlaps the copy, and the
+        student's next forward (or merge) waits for it on the device (decoder.base_ready)."""
+        self._pristine(blocking=False)
+
+    def _pristine(self, blocking: bool) -> None:
+        base = models.base_of(self.model)
+        flat, pristine = base.__dict__["_opd_flat"], base.__dict__["_opd_pristine"]
+        if flat.device.type != "cuda" or blocking:  # (in stream order: blocking only on CPU)
+            flat.copy_(pristine)
+            return
+        self._side = self._side or torch.cuda.Stream(flat.device)
+        self._side.wait_stream(torch.cuda.current_stream())  # after the rollout's last read of them
+        with torch.cuda.stream(self._side):
+            flat.copy_(pristine, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+        base.__dict__["_opd_restored"] = ev
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new: int, **kw) -> Rollout:
+        if not self.in_place:
+            return self._generate(prompts, max_new, **kw)
+        decoder.base_ready(self.model)  # the previous rollout's copy back has landed
+        self._remerge()
+        try:
+            return self._generate(prompts, max_new, **kw)
+        finally:
+            self._restore()
+
+    def _generate(self, prompts: list[list[int]], max_new: int, *, eos: int, pad: int, seed: int,
+                  temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                  min_new: int = 0) -> Rollout:
         B = len(prompts)
         P = max(len(p) for p in prompts)
         if self.use_graphs:
@@ -256,6 +300,7 @@ def _cache_kwarg(model) -> str:
 def hf_generate(model, prompts, max_new, *, eos, pad, seed, temperature=1.0, top_p=1.0, greedy=False,
                 min_new=0) -> Rollout:
     """Fallback: transformers forward with a dynamic cache (quantized bases, other architectures)."""
+    decoder.base_ready(model)
     dev = next(model.parameters()).device
     B, P = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((B, P), pad, dtype=torch.long, device=dev)
@@ -294,10 +339,11 @@ def hf_generate(model, prompts, max_new, *, eos, pad, seed, temperature=1.0, top
     return Rollout(out, lps, lengths, done)
 
 
-def make(model, use_graphs: bool, compile: bool = False, before_capture=None):
-    """Engine for `model`, or None (with a one-line warning) when the fast path cannot run it."""
+def make(model, use_graphs: bool, compile: bool = False, before_capture=None, in_place: bool = False):
+    """Engine for `model`, or None (with a one-line warning) when the fast path cannot run it.
+    in_place: sample from the model's own weights (decoder.fuse_projections ran on it)."""
     why = supported(model)
     if why:
         print(f"warning: rollout uses the transformers fallback: {why}", file=sys.stderr)
         return None
-    return Engine(model, use_graphs, compile, before_capture)
+    return Engine(model, use_graphs, compile, before_capture, in_place)

@@ -247,6 +247,11 @@ def engine_copy_bytes(sh: Shape, lora, s: int, dense: bool = False) -> int:
     return (n + (sh.vocab * sh.hidden if "lm_head" in tg else 0)) * s
 
 
+def pristine_bytes(sh: Shape, s: int) -> int:
+    """memory.merge_in_place: the host copy of every decoder layer's projections (decoder.fuse_projections)."""
+    return sh.layers * sum(i * o for i, o in sh.proj().values()) * s
+
+
 def saved_per_token_layer(sh: Shape, lora, s: int) -> int:
     """Bytes autograd keeps per token and decoder layer for the LoRA backward (no checkpointing).
 

@@ -90,6 +90,9 @@ def _check_memory(cfg, source: str) -> None:
         raise UserError(f"{source}: key 'memory.margin' = {m.margin}; expected a fraction in [0, 1)")
     if not m.chunk_floor > 0:
         raise UserError(f"{source}: key 'memory.chunk_floor' = {m.chunk_floor}; expected a positive number")
+    if m.merge_in_place and cfg.student.quant != "none":
+        raise UserError(f"{source}: key 'memory.merge_in_place' = true needs student.quant=none (it is "
+                        f"{cfg.student.quant!r}: a quantized base is sampled from a dense copy, nothing to merge into)")
     for role in ("student", "teacher"):
         mc = getattr(cfg, role)
         if mc.double_quant and mc.quant != "nf4":

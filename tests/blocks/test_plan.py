@@ -150,6 +150,27 @@ def test_seed_workload_components_by_hand():
     assert est["peak_gib"] == max(p["total_gib"] for p in tot.values()) and est["peak_phase"] == "update"
 
 
+def test_merge_in_place_drops_the_engine_copy_from_every_phase():
+    ck = plan.estimate(cfg(*SEED, "train.activation_checkpointing=true"))
+    own = plan.estimate(cfg(*SEED, "train.activation_checkpointing=true", "memory.merge_in_place=true"))
+    copy = item(ck, "rollout", "rollout engine weights")
+    assert copy == 314_572_800 * 2
+    assert item(own, "rollout", "rollout engine weights: the student's own") == 0
+    for ph in ("rollout", "score", "update"):  # exactly the copy's bytes less, in every phase
+        a, b = (e["placements"]["resident"]["phases"][ph]["total_gib"] for e in (ck, own))
+        assert abs((a - b) * GIB - copy) <= GIB * 1e-4, ph
+    assert own["peak_gib"] < 4.6 < ck["peak_gib"]  # the seed target with checkpointing (README)
+    assert any("pristine copy, 0.59 GiB, stays in host memory (pinned)" in n for n in own["notes"])
+    assert own["models"]["student"]["rollout_engine"] == "fast (LoRA merged into the student's own weights)"
+    # on CPU the host copy is in the same memory: it counts where the engine's copy did
+    cpu = plan.estimate(cfg(*SEED[:-2], "runtime.device=cpu", "memory.merge_in_place=true"))
+    assert item(cpu, "rollout", "rollout engine weights: the student's own") == 314_572_800 * 4
+    # the merge-in-place suggestion of an infeasible plan
+    tight = plan.estimate(cfg(*[o for o in SEED if not o.startswith("memory.vram")], "memory.vram_gib=5.2",
+                              "train.activation_checkpointing=true", "memory.placement=resident"))
+    assert {"memory.merge_in_place": True} in [t["set"] for t in tight["suggestions"] if t["fits"]]
+
+
 def test_totals_are_the_sum_of_their_items():
     est = plan.estimate(cfg(*SEED, "student.quant=nf4", "teacher.quant=nf4"))
     for p in est["placements"].values():
@@ -241,6 +262,7 @@ def test_shared_backbone_is_one_copy_and_auto_prefers_it():
     (["memory.placement=swap", "student.quant=nf4"], "use memory.placement=resident"),
     (["memory.placement=swap", "teacher.quant=int8"], "teacher.quant=int8 is a bitsandbytes-quantized role"),
     (["memory.placement=shared_backbone"], "bases differ (student.name="),
+    (["memory.placement=swap", "memory.merge_in_place=true"], "would undo its weights' fused layout"),
 ])
 def test_refused_placements(over, needle):
     with pytest.raises(UserError) as e:

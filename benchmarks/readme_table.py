@@ -91,6 +91,18 @@ def table(path: Path) -> str:
         rows.append(("... with `train.activation_checkpointing=true`",
                      f"{ckpt['median_update_s']} s/update, peak {max(cp['rollout'], cp['score'], cp['policy']):.2f} GiB",
                      "-", "-"))
+    fastest = min(x["median_update_s"] for x in [ours, *arm.values()] if _ok(x))
+    for key, label in (("inplace_ckpt", "`memory.merge_in_place=true train.activation_checkpointing=true`"),
+                       ("nf4teacher_ckpt", "NF4 teacher with `train.activation_checkpointing=true`"),
+                       ("inplace_nf4teacher_ckpt", "NF4 teacher with `memory.merge_in_place=true "
+                                                   "train.activation_checkpointing=true`")):
+        x = arm.get(key)
+        if x and _ok(x):
+            xp = x["peak_allocated_gib"]
+            slower = round(100 * (x["median_update_s"] / fastest - 1), 1)
+            rows.append((f"... {label}", f"{x['median_update_s']} s/update ({slower}% slower than this run's fastest "
+                         f"arm), peak {xp['rollout']:.2f} / {xp['score']:.2f} / {xp['policy']:.2f} GiB", "-",
+                         "peak ≤ 2.6 GiB" if "nf4" in key else "≤ 4.6 GiB at ≤ 10% slower than the fastest"))
     if nf4 and _ok(nf4):
         qp = nf4["peak_allocated_gib"]
         rows.append(("NF4 student (QLoRA) + NF4 teacher (`student.quant=nf4 teacher.quant=nf4`)",

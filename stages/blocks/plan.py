@@ -238,6 +238,8 @@ def estimate(cfg, shapes: dict | None = None) -> dict:
                                        "one_at_a_time": alt} for ro, what, b, alt in items]}
                        for ph, items in r["phases"].items()}}
     notes = ["steady state (step >= 2): step 1 has no LoRA grads, Adam moments or (rollout) teacher yet",
+             "each rollout merges the LoRA into the student's own weights, one projection at a time (fp32 scratch)"
+             if in_place(x) else
              "after each update the engine re-merges in place, one projection at a time (fp32 scratch)",
              "evaluate is not planned: it holds both roles' weights (no gradients, no optimizer)"]
     if cfg.memory.placement == "swap" and x.device == "cpu":
@@ -291,12 +293,15 @@ def decide(cfg) -> tuple[str, str]:
     return est["placement"]["chosen"], est["placement"]["why"]
 
 
+def _overrides(changes: dict) -> str:
+    """Settings as the command line takes them (true/false, not Python's True/False)."""
+    return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items())
+
+
 def infeasible_message(est: dict) -> str:
     sug = est["suggestions"]
-    fix = "; ".join(f"{' '.join(f'{k}={v}' for k, v in s['set'].items())} ({s['peak_gib']:.2f} GiB, "
-                    f"{s['placement']})" for s in sug if s["fits"])
-    tried = "" if fix or not sug else \
-        f"; even {' '.join(f'{k}={v}' for k, v in sug[0]['set'].items())} needs {sug[0]['peak_gib']:.2f} GiB"
+    fix = "; ".join(f"{_overrides(s['set'])} ({s['peak_gib']:.2f} GiB, {s['placement']})" for s in sug if s["fits"])
+    tried = "" if fix or not sug else f"; even {_overrides(sug[0]['set'])} needs {sug[0]['peak_gib']:.2f} GiB"
     return (f"plan infeasible: peak {est['peak_gib']:.2f} GiB ({est['peak_phase']}, placement "
             f"{est['placement']['chosen']}) > {est['usable_gib']:.2f} GiB usable of {est['budget_gib']:.2f} GiB "
             f"({est['budget_source']}, memory.margin {est['margin']}); "

@@ -169,6 +169,8 @@ def test_merge_in_place_drops_the_engine_copy_from_every_phase():
     tight = plan.estimate(cfg(*[o for o in SEED if not o.startswith("memory.vram")], "memory.vram_gib=5.2",
                               "train.activation_checkpointing=true", "memory.placement=resident"))
     assert {"memory.merge_in_place": True} in [t["set"] for t in tight["suggestions"] if t["fits"]]
+    assert "fits with: memory.placement=swap (3.33 GiB, swap); memory.merge_in_place=true (4.43 GiB, resident)" in \
+        plan.infeasible_message(tight)  # as the command line takes it
 
 
 def test_totals_are_the_sum_of_their_items():

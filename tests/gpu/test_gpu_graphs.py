@@ -44,6 +44,14 @@ def test_graphed_forward_and_backward_match_eager_and_repeat_exactly(dtype, ckpt
     if ckpt:  # the captured backward recomputes each layer (train.activation_checkpointing)
         models.enable_activation_checkpointing(models.base_of(m), preserve_rng_state=False)
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    # checkpointing took effect: an eager training step runs each layer's forward again in the backward
+    # (counted on the MLP's forward: the recompute bypasses module hooks)
+    mlp, calls = models.base_of(m).model.layers[0].mlp, []
+    fwd = mlp.forward
+    mlp.forward = lambda *a, **k: calls.append(1) or fwd(*a, **k)
+    _hidden_and_grads(m, _batch(0), False, True)
+    del mlp.forward  # back to the class's
+    assert len(calls) == (2 if ckpt else 1), calls
     for train in (False, True):
         for seed in (0, 1):  # the second batch (same bucket) replays: it must read the new ids
             p = _batch(seed)

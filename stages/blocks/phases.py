@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from .. import objectives
 from .shapes import (Shape, dequant_bytes, engine_copy_bytes, forward_bytes, lora_params, pristine_bytes,
-                     saved_per_token_layer, weight_bytes)
+                     saved_per_token_layer, targets, weight_bytes)
 
 PHASES = ("rollout", "score", "update")
 ENGINE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}  # stages/blocks/sampler.py SUPPORTED (no torch import here)
@@ -126,10 +126,11 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     if not x.engine:
         eng = []
     elif in_place(x):  # the student's own weights; their pristine copy waits in host memory (on CPU: here)
+        head = S.vocab * S.hidden * s if "lm_head" in targets(S, cfg.lora) else 0  # a LoRA'd head: merged copy
         eng = [("student", "rollout engine weights: the student's own, LoRA merged in place for each rollout"
                 + ("; no copy on the device, the pristine one in host memory" if x.device == "cuda"
-                   else " (pristine copy)"),
-                0 if x.device == "cuda" else pristine_bytes(S, s), False)]
+                   else " (pristine copy)") + ("; the LM head's merged copy" if head else ""),
+                (0 if x.device == "cuda" else pristine_bytes(S, s)) + head, False)]
     else:
         eng = [("student", "rollout engine weights (fused q/k/v, gate/up; merged LoRA"
                 + ("; every projection dequantized from NF4)" if sq == "nf4" else ")"),

@@ -142,8 +142,9 @@ def _variants(cfg):
         chunks.append([("train.chunk", c)])
         c //= 2
     yield "chunk", chunks
-    q = [[(f"{role}.quant", "nf4")] for role in ("student", "teacher")
-         if getattr(cfg, role).quant == "none" and _bitsandbytes()]
+    q = [[(f"{role}.quant", "nf4")] for role in ("student", "teacher")  # (an NF4 student is not merged in place)
+         if getattr(cfg, role).quant == "none" and _bitsandbytes()
+         and not (role == "student" and getattr(cfg.memory, "merge_in_place", False))]
     yield "quant", q + ([q[0] + q[1]] if len(q) == 2 else [])
     bs, b = [], cfg.rollout.batch_size // 2
     while b >= 1:
@@ -248,9 +249,12 @@ def estimate(cfg, shapes: dict | None = None) -> dict:
         notes.append(f"env rollouts: response = max_turns x (max_tokens_per_turn + {ENV_TOOL_TOKENS} assumed "
                      "tool tokens)")
     if in_place(x):
-        notes.append(f"memory.merge_in_place: the student's projections' pristine copy, "
-                     f"{_gib(pristine_bytes(x.S, x.s)):.2f} GiB, stays in host memory"
-                     + (" (pinned), copied back to the device after each rollout" if x.device == "cuda" else ""))
+        b = pristine_bytes(x.S, x.s)
+        # (torch's pinned-memory allocator rounds each allocation up to a power of two)
+        notes.append(f"memory.merge_in_place: the student's projections' pristine copy, {_gib(b):.2f} GiB, stays in "
+                     "host memory" + (f", pinned ({_gib(2 ** math.ceil(math.log2(b))):.2f} GiB of page-locked memory: "
+                                      "the pinned allocator rounds up to a power of two), copied back to the device "
+                                      "after each rollout" if x.device == "cuda" else ""))
     if x.device == "cuda":
         notes.append("CUDA context and allocator fragmentation are outside these figures: memory.margin covers them")
         if chosen == "swap" and cfg.memory.placement == "auto":

@@ -72,7 +72,7 @@ class Engine:
         self.nf4 = any(decoder.is_nf4(m) for m in base.model.layers.modules() if isinstance(m, torch.nn.Linear))
         self._refresh = None  # (parameter addresses, the captured LoRA re-merge)
         self._side = None  # in place, CUDA: the stream that copies the pristine weights back
-        if self.use_graphs and not self.nf4 and not in_place and any(_adapted(base.model)):
+        if self.use_graphs and not self.nf4 and not in_place and any(_adapted(base)):
             self.refresh()  # the weights as every later version gets them: from the captured merge
 
     def refresh(self, model=None) -> None:
@@ -90,33 +90,34 @@ class Engine:
         choose another algorithm under capture than eager): a resumed process samples from the bytes
         an uninterrupted one refreshed to. (An NF4 base is merged eager: bitsandbytes'
         dequantization is not captured.)"""
-        inner = models.base_of(model or self.model).model
-        if not self.use_graphs or self.nf4 or not any(_adapted(inner)):  # (nothing to capture without LoRA)
-            return self._merge(inner)
-        where = graphs.params_at(inner)
+        base = models.base_of(model or self.model)
+        if not self.use_graphs or self.nf4 or not any(_adapted(base)):  # (nothing to capture without LoRA)
+            return self._merge(base)
+        where = graphs.params_at(base)
         if self._refresh is not None and self._refresh[0] == where:
             return self._refresh[1].replay()
         self.before_capture()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            self._merge(inner)  # warm-up before the capture (cuBLAS handles and workspaces)
+            self._merge(base)  # warm-up before the capture (cuBLAS handles and workspaces)
         torch.cuda.current_stream().wait_stream(s)
         if self.in_place:  # the warm-up merged into the weights themselves: pristine again before the replay
             self._pristine(blocking=True)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            self._merge(inner)  # (captured, not run)
+            self._merge(base)  # (captured, not run)
         self._refresh = (where, g)
         g.replay()
 
-    def _merge(self, inner) -> None:
+    def _merge(self, base) -> None:
         dt = self.W["dtype"]
-        for i, name, mods in _adapted(inner):
+        for i, name, mods in _adapted(base):
+            w = self.W["head"] if i is None else self.W["layers"][i][name]
             row = 0
             for mod in mods:
                 merged = decoder.merged_weight(mod, dt)
-                self.W["layers"][i][name][row:row + merged.shape[0]].copy_(merged)
+                w[row:row + merged.shape[0]].copy_(merged)
                 row += merged.shape[0]
                 del merged
 
@@ -146,8 +147,8 @@ class Engine:
         if not self.in_place:
             return self._generate(prompts, max_new, **kw)
         decoder.base_ready(self.model)  # the previous rollout's copy back has landed
-        self._remerge()
-        try:
+        try:  # (a merge that fails partway is undone too)
+            self._remerge()
             return self._generate(prompts, max_new, **kw)
         finally:
             self._restore()
@@ -278,10 +279,13 @@ class Engine:
         return {"inp": static, "st": st, "prefill": prefill, "step": step}
 
 
-def _adapted(inner):
+def _adapted(base):
     """(layer index, sampling-weight name, its projections) wherever a LoRA adapter sits: only those
-    change between policy versions. None for a model without LoRA (the teacher, a shared teacher's view)."""
-    for i, layer in enumerate(inner.layers):
+    change between policy versions; (None, "head", (lm_head,)) for a LoRA on the LM head (the engine's
+    head is then a merged copy). Nothing for a model without LoRA (the teacher, a shared teacher's view)."""
+    if hasattr(base.lm_head, "base_layer"):
+        yield None, "head", (base.lm_head,)
+    for i, layer in enumerate(base.model.layers):
         a, m = layer.self_attn, layer.mlp
         for name, mods in (("qkv", (a.q_proj, a.k_proj, a.v_proj)), ("o_proj", (a.o_proj,)),
                            ("gate_up", (m.gate_proj, m.up_proj)), ("down_proj", (m.down_proj,))):

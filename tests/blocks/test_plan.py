@@ -160,7 +160,15 @@ def test_merge_in_place_drops_the_engine_copy_from_every_phase():
         a, b = (e["placements"]["resident"]["phases"][ph]["total_gib"] for e in (ck, own))
         assert abs((a - b) * GIB - copy) <= GIB * 1e-4, ph
     assert own["peak_gib"] < 4.6 < ck["peak_gib"]  # the seed target with checkpointing (README)
-    assert any("pristine copy, 0.59 GiB, stays in host memory (pinned)" in n for n in own["notes"])
+    assert any("pristine copy, 0.59 GiB, stays in host memory, pinned (1.00 GiB of page-locked memory" in n
+               for n in own["notes"])
+    # a LoRA on the LM head: the engine's head is a merged copy in either mode
+    head = plan.estimate(cfg(*SEED, "memory.merge_in_place=true", "lora.target_modules=[q_proj,lm_head]"))
+    assert item(head, "rollout", "rollout engine weights: the student's own") == 49152 * 960 * 2
+    # an NF4 student is not suggested beside merge_in_place (validation refuses the pair)
+    assert not any("student.quant" in t["set"] for t in plan.estimate(cfg(
+        *[o for o in SEED if not o.startswith("memory.vram")], "memory.vram_gib=5.2", "memory.merge_in_place=true",
+        "memory.placement=resident"))["suggestions"])
     assert own["models"]["student"]["rollout_engine"] == "fast (LoRA merged into the student's own weights)"
     # on CPU the host copy is in the same memory: it counts where the engine's copy did
     cpu = plan.estimate(cfg(*SEED[:-2], "runtime.device=cpu", "memory.merge_in_place=true"))

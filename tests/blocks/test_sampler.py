@@ -105,3 +105,19 @@ def test_unsupported_architecture_falls_back_with_a_warning(capsys):
     model.config.model_type = "gpt_neox"
     assert sampler.make(model, use_graphs=True) is None
     assert "fallback" in capsys.readouterr().err
+
+
+def test_refresh_merges_a_lora_on_the_lm_head_too():
+    from stages.blocks import models
+    from stages.blocks.config import LoraCfg
+
+    model = models.add_lora(tiny(), LoraCfg(r=4, alpha=8, target_modules=["q_proj", "lm_head"]), seed=1)
+    eng = sampler.make(model, use_graphs=False)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    eng.refresh()  # a new policy version: the head's merged copy follows, as the layers' weights do
+    assert torch.equal(eng.W["head"], sampler.make(model, use_graphs=False).W["head"])
+    got = eng.generate(PROMPTS, 6, eos=-1, pad=PAD, seed=0, greedy=True).tokens
+    assert got[0].tolist() == hf_greedy(model, PROMPTS[0], 6)

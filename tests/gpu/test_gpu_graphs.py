@@ -97,3 +97,29 @@ def test_engine_refresh_replays_the_merge_a_fresh_engine_makes():
             for k in ("qkv", "o_proj", "gate_up", "down_proj"):
                 assert torch.equal(a[k], b[k]), (step, k)  # what a resumed process samples from
                 assert torch.allclose(a[k].float(), c[k].float(), atol=1e-2, rtol=1e-2), (step, k)
+
+
+def test_in_place_engine_restores_the_base_before_the_next_forward_reads_it():
+    """memory.merge_in_place: a forward right after generate (no score between) reads the pristine
+    base, because it waits on the device for the side stream's copy back (decoder.base_ready). At
+    SmolLM2-360M widths the copy (0.59 GiB) outlasts the host's launch of that forward, so a missing
+    wait would read merged weights."""
+    from stages.blocks import decoder
+
+    torch.manual_seed(0)
+    m = tiny("smollm2-360m", initializer_range=0.02).to("cuda", torch.bfloat16)
+    decoder.fuse_projections(m)
+    m = with_trained_lora(m, scale=0.02)
+    models.base_of(m).__dict__["_opd_use_graphs"] = False
+    p = _batch(0)
+    with torch.no_grad():
+        ref = lmhead.hidden(m, p)
+    eng = sampler.Engine(m, use_graphs=True, in_place=True)
+    for seed in range(3):
+        eng.generate([[1, 5, 6, 7]] * 4, 8, eos=-1, pad=PAD, seed=seed)
+        with torch.no_grad():
+            h = lmhead.hidden(m, p)
+        assert torch.equal(h, ref), seed
+    base = models.base_of(m)
+    torch.cuda.synchronize()
+    assert torch.equal(base.__dict__["_opd_flat"].cpu(), base.__dict__["_opd_pristine"])

@@ -58,7 +58,7 @@ def table(path: Path) -> str:
     a = r["workloads"]["a"]
     arm = {s["name"].removeprefix("opd-stages-"): s for s in a["systems"] if s["name"].startswith("opd-stages-")}
     ours = next(s for s in a["systems"] if s["name"] == "opd-stages")
-    ckpt, eager, nographs, nf4, nf4t = (arm.get(k) for k in ("ckpt", "eager", "nographs", "nf4", "nf4teacher"))
+    eager, nographs = arm.get("eager"), arm.get("nographs")
     trl = _find(a["systems"], "TRL")
     mvs = [s for s in a["systems"] if s["name"].startswith("miniVERL")]
     pa = ours["peak_allocated_gib"]
@@ -86,34 +86,26 @@ def table(path: Path) -> str:
         rows.append(("... with the eager decode step (`runtime.compile=false`)",
                      f"{eager['median_update_s']} s/update, rollout {eager['rollout_tok_per_s']} tok/s, first update "
                      f"{eager['first_update_incl_construction_s']} s", "-", "-"))
-    if ckpt and _ok(ckpt):
-        cp = ckpt["peak_allocated_gib"]
-        rows.append(("... with `train.activation_checkpointing=true`",
-                     f"{ckpt['median_update_s']} s/update, peak {max(cp['rollout'], cp['score'], cp['policy']):.2f} GiB",
-                     "-", "-"))
+    # the memory arms, one format: speed beside the fastest arm of this run, rollout, peak per phase
     fastest = min(x["median_update_s"] for x in [ours, *arm.values()] if _ok(x))
-    for key, label in (("inplace_ckpt", "`memory.merge_in_place=true train.activation_checkpointing=true`"),
-                       ("nf4teacher_ckpt", "NF4 teacher with `train.activation_checkpointing=true`"),
-                       ("inplace_nf4teacher_ckpt", "NF4 teacher with `memory.merge_in_place=true "
-                                                   "train.activation_checkpointing=true`")):
+    mem = "≤ 4.6 GiB at ≤ 10% slower than the fastest"
+    for key, label, target in (
+            ("ckpt", "... with `train.activation_checkpointing=true`", mem),
+            ("inplace_ckpt", "... `memory.merge_in_place=true train.activation_checkpointing=true`", mem),
+            ("nf4", "NF4 student (QLoRA) + NF4 teacher (`student.quant=nf4 teacher.quant=nf4`)",
+             "≤ 0.5 s/update, ≥ 1,500 tok/s, peak ≤ 1.4 GiB"),
+            ("nf4teacher", "NF4 teacher only (`teacher.quant=nf4`)", "peak ≤ 2.6 GiB"),
+            ("nf4teacher_ckpt", "... NF4 teacher with `train.activation_checkpointing=true`", "peak ≤ 2.6 GiB"),
+            ("inplace_nf4teacher_ckpt", "... NF4 teacher with `memory.merge_in_place=true "
+                                        "train.activation_checkpointing=true`", "peak ≤ 2.6 GiB")):
         x = arm.get(key)
         if x and _ok(x):
             xp = x["peak_allocated_gib"]
             slower = round(100 * (x["median_update_s"] / fastest - 1), 1)
-            rows.append((f"... {label}", f"{x['median_update_s']} s/update ({slower}% slower than this run's fastest "
-                         f"arm), peak {xp['rollout']:.2f} / {xp['score']:.2f} / {xp['policy']:.2f} GiB", "-",
-                         "peak ≤ 2.6 GiB" if "nf4" in key else "≤ 4.6 GiB at ≤ 10% slower than the fastest"))
-    if nf4 and _ok(nf4):
-        qp = nf4["peak_allocated_gib"]
-        rows.append(("NF4 student (QLoRA) + NF4 teacher (`student.quant=nf4 teacher.quant=nf4`)",
-                     f"{nf4['median_update_s']} s/update, rollout {nf4['rollout_tok_per_s']} tok/s, peak "
-                     f"{max(qp['rollout'], qp['score'], qp['policy']):.2f} GiB", "-",
-                     "≤ 0.5 s/update, ≥ 1,500 tok/s, peak ≤ 1.4 GiB"))
-    if nf4t and _ok(nf4t):
-        tp = nf4t["peak_allocated_gib"]
-        rows.append(("NF4 teacher only (`teacher.quant=nf4`)",
-                     f"{nf4t['median_update_s']} s/update, peak {max(tp['rollout'], tp['score'], tp['policy']):.2f} GiB",
-                     "-", "peak ≤ 2.6 GiB"))
+            pace = f"{slower}% slower than this run's fastest arm" if slower else "this run's fastest arm"
+            rows.append((label, f"{x['median_update_s']} s/update ({pace}), "
+                         f"rollout {x['rollout_tok_per_s']} tok/s, peak {xp['rollout']:.2f} / {xp['score']:.2f} / "
+                         f"{xp['policy']:.2f} GiB", "-", target))
     rows += [
         ("first update incl. construction (model loads, graph capture)", f"{ours['first_update_incl_construction_s']} s",
          f"{trl['first_update_incl_construction_s']} s" if _ok(trl) else "-", "≤ 5 s"),

@@ -216,10 +216,8 @@ class Session:
     def engine(self):
         """The rollout engine for the student's current policy (None: transformers fallback)."""
         if self._engine is None:
-            student = self.student()
-            in_place = "_opd_flat" in models.base_of(student).__dict__  # (memory.merge_in_place: fused at load)
-            self._engine = sampler.make(student, self.cfg.rollout.cuda_graphs, self.compiled_decode,
-                                        self.store.flush, in_place) or False
+            self._engine = sampler.make(self.student(), self.cfg.rollout.cuda_graphs, self.compiled_decode,
+                                        self.store.flush) or False
         return self._engine or None
 
     def generate(self, prompt_ids: list[list[int]], max_new: int, seed: int, greedy: bool = False,

@@ -81,6 +81,26 @@ def _final_adapter(work: Path, *over) -> tuple[str, bytes, dict]:
     return out["final_policy"], (d / "adapter" / "adapter_model.safetensors").read_bytes(), sess
 
 
+def _fresh_run(work: Path, *over) -> tuple[str, bytes, bytes, dict]:
+    """`_final_adapter` with the loop's stages computed anew (prepare's models and prompts kept), and the
+    last step's rollout Parquet beside the adapter."""
+    for stage in ("rollout", "score", "update"):
+        shutil.rmtree(work / "artifacts" / "store" / stage, ignore_errors=True)
+    dig, adapter, sess = _final_adapter(work, *over)
+    return dig, adapter, (sess.store.path("rollout", sess.rollout_digest(2)) / "rollout.parquet").read_bytes(), sess
+
+
+def _with_and_without_merge_in_place(work: Path, *over):
+    """The same run with memory.merge_in_place false and true: the same adapter and rollout bytes.
+    Returns the in-place run's session."""
+    runs = {flag: _fresh_run(work, "memory.placement=resident", f"memory.merge_in_place={flag}", *over)
+            for flag in ("false", "true")}
+    for flag, (*_, sess) in runs.items():
+        assert sess.engine().in_place == (flag == "true")
+    assert runs["false"][:3] == runs["true"][:3]
+    return runs["true"][3]
+
+
 def test_shared_backbone_run_publishes_what_resident_does(work, tmp_path):
     dig_r, bytes_r, s_r = _final_adapter(work, "memory.placement=resident")
     assert s_r.placement == "resident" and not isinstance(s_r._teacher, memory.SharedTeacher)
@@ -265,11 +285,7 @@ def test_cli_refuses_bad_placement_before_loading(work):
 
 @pytest.mark.gpu
 def test_gpu_swap_and_shared_publish_what_resident_does(work):
-    outs = {}
-    for placement in ("resident", "swap"):
-        for stage in ("score", "update", "rollout"):
-            shutil.rmtree(work / "artifacts" / "store" / stage, ignore_errors=True)
-        outs[placement] = _final_adapter(work, f"memory.placement={placement}", "runtime.device=cuda")[:2]
+    outs = {p: _fresh_run(work, f"memory.placement={p}", "runtime.device=cuda")[:3] for p in ("resident", "swap")}
     assert outs["resident"] == outs["swap"]
 
 
@@ -277,20 +293,9 @@ def test_gpu_swap_and_shared_publish_what_resident_does(work):
 def test_gpu_merge_in_place_publishes_what_resident_does(work):
     # CUDA: the merge is a replayed graph and the copy back runs on a side stream, overlapping the
     # score; the update's forward waits for it on the device (decoder.base_ready)
-    outs = {}
-    for flag in ("false", "true"):
-        for stage in ("score", "update", "rollout"):
-            shutil.rmtree(work / "artifacts" / "store" / stage, ignore_errors=True)
-        dig, adapter, sess = _final_adapter(work, "memory.placement=resident", "runtime.device=cuda",
-                                            f"memory.merge_in_place={flag}")
-        roll = sess.store.path("rollout", sess.rollout_digest(2)) / "rollout.parquet"
-        outs[flag] = (dig, adapter, roll.read_bytes())
-        assert sess.engine().in_place == (flag == "true")
-        if flag == "true":  # the student's base is pristine after the last rollout's copy back
-            base = models.base_of(sess.student())
-            torch.cuda.synchronize()
-            assert torch.equal(base.__dict__["_opd_flat"].cpu(), base.__dict__["_opd_pristine"])
-    assert outs["false"] == outs["true"]
+    base = models.base_of(_with_and_without_merge_in_place(work, "runtime.device=cuda").student())
+    torch.cuda.synchronize()  # the student's base is pristine after the last rollout's copy back
+    assert torch.equal(base.__dict__["_opd_flat"].cpu(), base.__dict__["_opd_pristine"])
 
 
 @pytest.mark.gpu
@@ -343,7 +348,8 @@ def test_in_place_engine_samples_what_the_copy_samples_and_restores_the_base():
     fused = with_trained_lora(fused)
     base = models.base_of(fused)
     before = base.__dict__["_opd_flat"].clone()
-    copy_eng, own = sampler.make(ref, False), sampler.make(fused, False, in_place=True)
+    copy_eng, own = sampler.make(ref, False), sampler.make(fused, False)
+    assert own.in_place and not copy_eng.in_place  # (from the model: fused or not)
     assert own.W["layers"][0]["gate_up"].data_ptr() == base.model.layers[0].mlp.gate_proj.base_layer.weight.data_ptr()
     kw = dict(eos=-1, pad=2, seed=3, temperature=0.8)
     for _ in range(2):  # twice: the second merge starts from the restored base, not from merged weights
@@ -360,16 +366,9 @@ def test_in_place_engine_samples_what_the_copy_samples_and_restores_the_base():
 
 
 def test_merge_in_place_run_publishes_what_the_copy_does(work):
-    outs = {}
-    for flag in ("false", "true"):
-        for stage in ("rollout", "score", "update"):
-            shutil.rmtree(work / "artifacts" / "store" / stage, ignore_errors=True)
-        dig, adapter, sess = _final_adapter(work, "memory.placement=resident", f"memory.merge_in_place={flag}")
-        roll = sess.store.path("rollout", sess.rollout_digest(2)) / "rollout.parquet"
-        outs[flag] = (dig, adapter, roll.read_bytes())
-        assert ("_opd_flat" in models.base_of(sess.student()).__dict__) == (flag == "true")
-        assert sess.engine().in_place == (flag == "true")
-    assert outs["false"] == outs["true"]
+    sess = _with_and_without_merge_in_place(work)
+    base = models.base_of(sess.student())  # CPU: restored in place after each generate
+    assert torch.equal(base.__dict__["_opd_flat"], base.__dict__["_opd_pristine"])
 
 
 def test_merge_in_place_refusals(work):

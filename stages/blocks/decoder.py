@@ -14,10 +14,14 @@ from . import models
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def _plain(lin):
+    """A Linear without its PEFT LoRA wrapper (the same module when there is none)."""
+    return getattr(lin, "base_layer", lin)
+
+
 def is_nf4(lin) -> bool:
     """A bitsandbytes 4-bit Linear (its weight carries a quant_state), or a PEFT LoRA around one."""
-    lin = getattr(lin, "base_layer", lin)
-    return getattr(lin.weight, "quant_state", None) is not None
+    return getattr(_plain(lin).weight, "quant_state", None) is not None
 
 
 def dense(lin) -> torch.Tensor:
@@ -49,12 +53,7 @@ def merged_weight(lin, dtype) -> torch.Tensor:
 
 
 def bias_of(lin):
-    lin = getattr(lin, "base_layer", lin)
-    return lin.bias
-
-
-def _plain(lin):
-    return getattr(lin, "base_layer", lin)
+    return _plain(lin).bias
 
 
 @torch.no_grad()
@@ -92,6 +91,11 @@ def fuse_projections(model) -> None:
             owner.__dict__[attr] = flat[start:off].view(-1, w0.shape[1])
     pristine = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=flat.device.type == "cuda")
     base.__dict__["_opd_flat"], base.__dict__["_opd_pristine"] = flat, pristine.copy_(flat)
+
+
+def is_fused(model) -> bool:
+    """`fuse_projections` ran on this model (memory.merge_in_place): the engine samples from its weights."""
+    return "_opd_flat" in models.base_of(model).__dict__
 
 
 def base_ready(model) -> None:

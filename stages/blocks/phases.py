@@ -28,8 +28,8 @@ import math
 from dataclasses import dataclass
 
 from .. import objectives
-from .shapes import (Shape, dequant_bytes, engine_copy_bytes, forward_bytes, lora_params, pristine_bytes,
-                     saved_per_token_layer, targets, weight_bytes)
+from .shapes import (Shape, dequant_bytes, engine_copy_bytes, forward_bytes, head_copy_bytes, lora_params,
+                     pristine_bytes, saved_per_token_layer, weight_bytes)
 
 PHASES = ("rollout", "score", "update")
 ENGINE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}  # stages/blocks/sampler.py SUPPORTED (no torch import here)
@@ -125,12 +125,13 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     gqa = 2 * B * S.heads * L * S.head_dim * s if S.heads != S.kv_heads else 0  # math SDPA repeats k/v
     if not x.engine:
         eng = []
-    elif in_place(x):  # the student's own weights; their pristine copy waits in host memory (on CPU: here)
-        head = S.vocab * S.hidden * s if "lm_head" in targets(S, cfg.lora) else 0  # a LoRA'd head: merged copy
-        eng = [("student", "rollout engine weights: the student's own, LoRA merged in place for each rollout"
-                + ("; no copy on the device, the pristine one in host memory" if x.device == "cuda"
-                   else " (pristine copy)") + ("; the LM head's merged copy" if head else ""),
-                (0 if x.device == "cuda" else pristine_bytes(S, s)) + head, False)]
+    elif in_place(x):  # the student's own weights: on CUDA no copy, unless LoRA targets the head (a merged copy);
+        # on CPU the pristine copy of the projections lives in the same memory
+        held = ([] if x.device == "cuda" else ["their pristine copy"]) + \
+            (["the LM head's merged copy"] if head_copy_bytes(S, cfg.lora, s) else [])
+        eng = [("student", f"rollout engine weights: the student's own, LoRA merged in place for each rollout "
+                f"({' + '.join(held)})", (0 if x.device == "cuda" else pristine_bytes(S, s))
+                + head_copy_bytes(S, cfg.lora, s), False)]
     else:
         eng = [("student", "rollout engine weights (fused q/k/v, gate/up; merged LoRA"
                 + ("; every projection dequantized from NF4)" if sq == "nf4" else ")"),
@@ -206,7 +207,7 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
            ("student", "quantized matmul scratch", dequant_bytes(S, sq, t, s), False)]
     out["update"] = up
 
-    return {ph: [i for i in items if i[2] or "shared" in i[1] or "no copy" in i[1]] for ph, items in out.items()}
+    return {ph: [i for i in items if i[2] or "shared" in i[1]] for ph, items in out.items()}
 
 
 def phase_total(items) -> int:

@@ -54,15 +54,14 @@ def supported(model) -> str | None:
 class Engine:
     """Sampling for one policy version: weights, static KV cache and captured graphs per bucket."""
 
-    def __init__(self, model, use_graphs: bool = True, compile: bool = False, before_capture=None,
-                 in_place: bool = False):
+    def __init__(self, model, use_graphs: bool = True, compile: bool = False, before_capture=None):
         self.model = model
         # called before each capture: a background publish's device sync in another thread would
         # invalidate it (Session passes the store's flush)
         self.before_capture = before_capture or (lambda: None)
-        # the student's own weights (decoder.fuse_projections ran at load), merged for each generate
-        self.in_place = in_place
-        self.W = decoder.sampling_weights(model, in_place=in_place)
+        # the student's own weights (memory.merge_in_place: fused at load), merged for each generate
+        self.in_place = decoder.is_fused(model)
+        self.W = decoder.sampling_weights(model, in_place=self.in_place)
         self.device = self.W["embed"].device
         self.use_graphs = use_graphs and self.device.type == "cuda"
         # the compiled decode layer runs inside the captured graph only (CPU and eager CUDA: `layer`)
@@ -72,7 +71,7 @@ class Engine:
         self.nf4 = any(decoder.is_nf4(m) for m in base.model.layers.modules() if isinstance(m, torch.nn.Linear))
         self._refresh = None  # (parameter addresses, the captured LoRA re-merge)
         self._side = None  # in place, CUDA: the stream that copies the pristine weights back
-        if self.use_graphs and not self.nf4 and not in_place and any(_adapted(base)):
+        if self.use_graphs and not self.nf4 and not self.in_place and any(_adapted(base)):
             self.refresh()  # the weights as every later version gets them: from the captured merge
 
     def refresh(self, model=None) -> None:
@@ -103,7 +102,7 @@ class Engine:
             self._merge(base)  # warm-up before the capture (cuBLAS handles and workspaces)
         torch.cuda.current_stream().wait_stream(s)
         if self.in_place:  # the warm-up merged into the weights themselves: pristine again before the replay
-            self._pristine(blocking=True)
+            self._restore(blocking=True)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             self._merge(base)  # (captured, not run)
@@ -122,16 +121,14 @@ class Engine:
                 del merged
 
     @torch.no_grad()
-    def _restore(self) -> None:
+    def _restore(self, blocking: bool = False) -> None:
         """In place, after a rollout: the student's base weights back from their pristine host copy.
         On CUDA on a side stream, without blocking: the teacher's scoring overlaps the copy, and the
-        student's next forward (or merge) waits for it on the device (decoder.base_ready)."""
-        self._pristine(blocking=False)
-
-    def _pristine(self, blocking: bool) -> None:
+        student's next forward (or merge) waits for it on the device (decoder.base_ready).
+        blocking: in the current stream's order (CPU always)."""
         base = models.base_of(self.model)
         flat, pristine = base.__dict__["_opd_flat"], base.__dict__["_opd_pristine"]
-        if flat.device.type != "cuda" or blocking:  # (in stream order: blocking only on CPU)
+        if flat.device.type != "cuda" or blocking:
             flat.copy_(pristine)
             return
         self._side = self._side or torch.cuda.Stream(flat.device)
@@ -304,7 +301,6 @@ def _cache_kwarg(model) -> str:
 def hf_generate(model, prompts, max_new, *, eos, pad, seed, temperature=1.0, top_p=1.0, greedy=False,
                 min_new=0) -> Rollout:
     """Fallback: transformers forward with a dynamic cache (quantized bases, other architectures)."""
-    decoder.base_ready(model)
     dev = next(model.parameters()).device
     B, P = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((B, P), pad, dtype=torch.long, device=dev)
@@ -343,11 +339,10 @@ def hf_generate(model, prompts, max_new, *, eos, pad, seed, temperature=1.0, top
     return Rollout(out, lps, lengths, done)
 
 
-def make(model, use_graphs: bool, compile: bool = False, before_capture=None, in_place: bool = False):
-    """Engine for `model`, or None (with a one-line warning) when the fast path cannot run it.
-    in_place: sample from the model's own weights (decoder.fuse_projections ran on it)."""
+def make(model, use_graphs: bool, compile: bool = False, before_capture=None):
+    """Engine for `model`, or None (with a one-line warning) when the fast path cannot run it."""
     why = supported(model)
     if why:
         print(f"warning: rollout uses the transformers fallback: {why}", file=sys.stderr)
         return None
-    return Engine(model, use_graphs, compile, before_capture, in_place)
+    return Engine(model, use_graphs, compile, before_capture)

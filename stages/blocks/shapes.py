@@ -244,7 +244,12 @@ def engine_copy_bytes(sh: Shape, lora, s: int, dense: bool = False) -> int:
     dense: an NF4 base, every projection dequantized into a copy (the head is never quantized)."""
     tg, proj = targets(sh, lora), sh.proj()
     n = sh.layers * sum(i * o for name, (i, o) in proj.items() if dense or name in FUSED or name in tg)
-    return (n + (sh.vocab * sh.hidden if "lm_head" in tg else 0)) * s
+    return n * s + head_copy_bytes(sh, lora, s)
+
+
+def head_copy_bytes(sh: Shape, lora, s: int) -> int:
+    """The engine's merged copy of the LM head, where LoRA targets it (otherwise it reads the model's)."""
+    return sh.vocab * sh.hidden * s if "lm_head" in targets(sh, lora) else 0
 
 
 def pristine_bytes(sh: Shape, s: int) -> int:

@@ -155,7 +155,7 @@ def test_merge_in_place_drops_the_engine_copy_from_every_phase():
     own = plan.estimate(cfg(*SEED, "train.activation_checkpointing=true", "memory.merge_in_place=true"))
     copy = item(ck, "rollout", "rollout engine weights")
     assert copy == 314_572_800 * 2
-    assert item(own, "rollout", "rollout engine weights: the student's own") == 0
+    assert not [i for i in own["phases"]["rollout"]["items"] if "engine weights" in i["component"]]  # no copy
     for ph in ("rollout", "score", "update"):  # exactly the copy's bytes less, in every phase
         a, b = (e["placements"]["resident"]["phases"][ph]["total_gib"] for e in (ck, own))
         assert abs((a - b) * GIB - copy) <= GIB * 1e-4, ph

@@ -114,7 +114,7 @@ def test_in_place_engine_restores_the_base_before_the_next_forward_reads_it():
     p = _batch(0)
     with torch.no_grad():
         ref = lmhead.hidden(m, p)
-    eng = sampler.Engine(m, use_graphs=True, in_place=True)
+    eng = sampler.Engine(m, use_graphs=True)  # in place: the model is fused
     for seed in range(3):
         eng.generate([[1, 5, 6, 7]] * 4, 8, eos=-1, pad=PAD, seed=seed)
         with torch.no_grad():

@@ -3,7 +3,11 @@ layers over one new token per sequence, the LM head and the draw) captured in a 
 replayed, per variant of stages/blocks/decoder.py:
 
   eager      the layer eager (~20 kernels per layer)
-  compiled   the layer through torch.compile (the engine's default): cuBLAS matmuls, SDPA
+  compiled   the layer through torch.compile, cuBLAS matmuls, SDPA (the engine's default until 2026-12-02)
+  fused      decoder.fused_layer through torch.compile (the engine's default since): the projections
+             as stages/blocks/kernels.py's `project` launches, RMSNorm, SiLU gate and residual adds
+             folded in; fused_s4k / fused_s16k: the same with 4,096 / 16,384 weight elements per
+             program instead of kernels.SLAB's 8,192
   wt         compiled, each matmul as the transposed product w @ x^T (cuBLAS sees a tall-skinny
              problem with the batch as its N, and chooses other kernels than for M = batch); the
              LM head too (F.linear is replaced for the variant), so the draw reads strided logits
@@ -35,13 +39,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from stages.blocks import decoder, models
+from stages.blocks import decoder, kernels, models
+
+SLAB = kernels.SLAB  # (the fused_s* variants change it for their capture; put back after)
 
 SHAPES = {  # workload a (the seed) and b of benchmarks/systems.py: batch, prompt, new tokens
     "a": ("smollm2-360m", 4, 128, 64),
     "b": ("qwen3-0.6b", 64, 128, 512),
 }
-VARIANTS = ("compiled", "floatmask", "stack", "eager", "window", "wt", "autotune")
+VARIANTS = ("compiled", "fused", "fused_s4k", "fused_s16k", "floatmask", "stack", "eager", "window", "wt", "autotune")
 
 
 def linear_t(x, w, b=None):
@@ -138,12 +144,15 @@ def _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, 
                 import torch._inductor.config as ic
 
                 ic.deterministic = False
-            layer = torch.compile(decoder.layer, fullgraph=True, dynamic=False,
+            if v.startswith("fused"):
+                kernels.SLAB = {"fused": SLAB, "fused_s4k": 4096, "fused_s16k": 16384}[v]
+            layer = torch.compile(decoder.fused_layer if v.startswith("fused") else decoder.layer,
+                                  fullgraph=True, dynamic=False,
                                   mode="max-autotune-no-cudagraphs" if v == "autotune" else None)
             L = window if v == "window" else None
             fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, layer, L))  # noqa: E731
         try:
-            first, ms, (logits, tok, _) = timed_graph(fn, reps)
+            first, ms, (logits, tok, _) = timed_graph(fn, reps)  # (the kernels read SLAB when captured)
         except Exception as e:  # noqa: BLE001  a variant that does not compile or capture is a result too
             res["variants"][v] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
             continue
@@ -167,6 +176,7 @@ def run_shape(name: str, deadline: float, reps: int, variants: list[str]) -> dic
         _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, variants)
     finally:
         decoder.F.linear = orig_linear  # (torch.nn.functional itself: put back whatever happened)
+        kernels.SLAB = SLAB
     ref = res["variants"].get("eager", {}).get("logits")
     for row in res["variants"].values():
         lg = row.pop("logits", None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import models
+from . import kernels, models
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -161,17 +161,11 @@ def rope(x, cos, sin):
     return x * cos + rot * sin
 
 
-def layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
-    """One decoder layer over the residual stream x [B, T, hidden] plus the previous layer's MLP
-    output r (added here, so that compiled the add fuses into this layer's first RMSNorm instead of
-    costing a kernel at the end of the previous call); writes its new K and V into kv
-    [2, B, n_kv, L, D] at `slots`, both with one index_copy_ (one kernel, compiled). Returns (x,
-    this layer's MLP output). A plain function of tensors and constants, so torch.compile can fuse
-    it (`compiled_layer`)."""
-    B, T = x.shape[:2]
-    x = x + r
-    h = rms(x, w["ln1"], eps)
-    qkv = F.linear(h, w["qkv"], w["qkv_bias"]).view(B, T, H + 2 * KV, D)
+def attend(qkv, w, kv, cos, sin, mask, slots, H, KV, D, eps):
+    """Attention of one layer from its q|k|v projection qkv [B, T, H + 2 KV, D]: Qwen3's per-head
+    norms, rotary, the new K and V written into kv [2, B, n_kv, L, D] at `slots` with one
+    index_copy_ (one kernel, compiled), SDPA over the cache. Returns [B, T, H * D]."""
+    B, T = qkv.shape[:2]
     if w["q_norm"] is not None:  # Qwen3 normalises each head before rotary
         q, k, v = qkv.split((H, KV, KV), dim=2)
         qk = torch.cat((rms(q, w["q_norm"], eps), rms(k, w["k_norm"], eps)), dim=2)
@@ -181,24 +175,55 @@ def layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
     q, k = qk[:, :H], qk[:, H:]
     kv.index_copy_(3, slots, torch.stack((k, v.transpose(1, 2))))  # [2, B, KV, T, D]
     o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, enable_gqa=KV != H)
-    x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * D), w["o_proj"])
+    return o.transpose(1, 2).reshape(B, T, H * D)
+
+
+def layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
+    """One decoder layer over the residual stream x [B, T, hidden] plus the previous layer's MLP
+    output r (added here, so that compiled the add fuses into this layer's first RMSNorm instead of
+    costing a kernel at the end of the previous call); writes its new K and V into kv
+    [2, B, n_kv, L, D] at `slots`. Returns (x, this layer's MLP output). A plain function of tensors
+    and constants, so torch.compile can fuse it (`compiled_layer`)."""
+    B, T = x.shape[:2]
+    x = x + r
+    h = rms(x, w["ln1"], eps)
+    qkv = F.linear(h, w["qkv"], w["qkv_bias"]).view(B, T, H + 2 * KV, D)
+    x = x + F.linear(attend(qkv, w, kv, cos, sin, mask, slots, H, KV, D, eps), w["o_proj"])
     h = rms(x, w["ln2"], eps)
     gate, up = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
     return x, F.linear(act(gate) * up, w["down_proj"])
+
+
+def fused_layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
+    """`layer` for a decode step of at most kernels.MAX_ROWS rows on CUDA (kernels.usable): four
+    `kernels.project` launches do the projections with the RMSNorms, the SiLU gate and the residual
+    adds folded in (docs/architecture.md, "fused decode projections"). Every residual add happens
+    inside a projection, so r stays `forward`'s zeros and is handed on as it came (the choice is by
+    shape and dtype, the same for every layer of a forward). Other inputs: `layer`."""
+    if not kernels.usable(x, act):
+        return layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act)
+    B, T, E = x.shape
+    x = x.view(B * T, E)
+    qkv = kernels.project(x, w["qkv"], w["ln1"], w["qkv_bias"], None, eps, False)  # [B*T, (H+2KV)*D]
+    o = attend(qkv.view(B, T, H + 2 * KV, D), w, kv, cos, sin, mask, slots, H, KV, D, eps)
+    x = kernels.project(o.reshape(B * T, H * D), w["o_proj"], None, None, x, eps, False)  # x + o @ Wo.T
+    a = kernels.project(x, w["gate_up"], w["ln2"], None, None, eps, True)  # silu(gate) * up [B*T, I]
+    return kernels.project(a, w["down_proj"], None, None, x, eps, False).view(B, T, E), r
 
 
 _COMPILED = None
 
 
 def compiled_layer():
-    """`layer` through torch.compile (Inductor): RMSNorm, rotary, the cache writes and the
-    residual adds fuse into a few Triton kernels, where eager launches ~20 small ones per layer.
+    """`fused_layer` through torch.compile (Inductor): rotary and the cache writes fuse into a few
+    Triton kernels (and, past kernels.MAX_ROWS rows, RMSNorm and the residual adds around cuBLAS's
+    matmuls), where eager launches ~20 small ones per layer.
     One compilation serves every layer (same shapes); the decode step calls it inside the
     captured CUDA graph. Compiled once per process and shape (docs/architecture.md, rollout engine)."""
     global _COMPILED
     if _COMPILED is None:
         models.compile_settings()  # deterministic kernel choices; shapes are static (one compilation
-        _COMPILED = torch.compile(layer, fullgraph=True, dynamic=False)  # per batch and cache length)
+        _COMPILED = torch.compile(fused_layer, fullgraph=True, dynamic=False)  # per batch and cache length)
     return _COMPILED
 
 
@@ -227,6 +252,20 @@ def forward(W, ids, pos, cache, slots, key_valid, layer=layer):
     return rms(x + r, W["norm"], W["eps"])
 
 
+def _cumsum(p, chunk: int = 1024):
+    """p.cumsum(-1) for p [B, V] >= 0. CUDA scans a few long rows one thread block per row (65 us
+    for 4 x 49,152 on the H200, most of a decode step's draw): there, chunks of `chunk` are scanned
+    side by side and each chunk adds the sum of the chunks before it (rounding differs from one
+    long scan in the last bits; the same inputs give the same bits). CPU: one scan."""
+    if not p.is_cuda or p.shape[-1] <= chunk:
+        return p.cumsum(-1)
+    B, V = p.shape
+    n = -(-V // chunk)
+    c = F.pad(p, (0, n * chunk - V)).view(B, n, chunk).cumsum(-1)  # [B, n, chunk]
+    before = F.pad(c[..., -1].cumsum(-1)[:, :-1], (1, 0))  # [B, n] sum of the chunks before each
+    return (c + before[..., None]).view(B, n * chunk)[:, :V].contiguous()
+
+
 def pick(logits, u, temperature, top_p, greedy, block_eos, eos):
     """logits [B, V] -> (token [B], log-prob under the tempered distribution [B])."""
     logits = logits.float()
@@ -239,12 +278,12 @@ def pick(logits, u, temperature, top_p, greedy, block_eos, eos):
         probs = logp.exp()
         if top_p < 1.0:
             sp, si = probs.sort(-1, descending=True)
-            keep = (sp.cumsum(-1) - sp) < top_p  # always keeps the first
+            keep = (_cumsum(sp) - sp) < top_p  # always keeps the first
             sp = sp * keep
-            cdf = sp.cumsum(-1)
+            cdf = _cumsum(sp)
             j = torch.searchsorted(cdf, (u * cdf[:, -1:].squeeze(-1))[:, None]).clamp_max(sp.shape[-1] - 1)
             tok = si.gather(-1, j).squeeze(-1)
         else:
-            cdf = probs.cumsum(-1)
+            cdf = _cumsum(probs)
             tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_max(probs.shape[-1] - 1).squeeze(-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)

@@ -1,0 +1,51 @@
+"""stages/blocks/kernels.py on the GPU, bf16: `project` within the bounds derived in
+tests/kernel_cases.py at the decode step's real widths (SmolLM2-360M, Qwen3-0.6B), bit-identical
+from call to call, decoder.fused_layer against decoder.layer, and the compiled decode step of the
+rollout engine really launching the kernels (the engine tests in test_gpu_engine.py check what it
+samples: greedy == generate, log-probs == a teacher-forced recompute)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stages.blocks import decoder, kernels, sampler
+import kernel_cases
+import layer_cases
+from engine_models import PROMPTS, tiny, with_trained_lora
+
+pytestmark = pytest.mark.gpu
+
+
+def test_project_bf16_within_its_derived_bounds_and_deterministic():
+    for seed in range(3):
+        run = kernel_cases.check(kernels.project, "cuda", torch.bfloat16, kernel_cases.GPU_SHAPES, seed)
+        assert run["bad"] == [], run
+    for _, args in kernel_cases.cases("cuda", torch.bfloat16, kernel_cases.GPU_SHAPES):
+        assert torch.equal(kernels.project(*args), kernels.project(*args))  # one program per output, fixed order
+
+
+def test_fused_layer_matches_layer_bf16():
+    for seed, (q, b) in enumerate([(False, False), (True, False), (False, True)]):
+        row = layer_cases.compare("cuda", torch.bfloat16, H=15, KV=5, D=64, I=2560, L=40, qwen3=q, bias=b, seed=seed)
+        assert row["stream"] <= 8 * row["eps"] and row["cache"] <= 8 * row["eps"], row
+
+
+def test_chunked_cumsum_close_to_the_plain_scan():
+    p = torch.softmax(torch.randn(4, 49152, device="cuda") * 3, -1)
+    a, b = decoder._cumsum(p), p.cumsum(-1)
+    assert (a - b).abs().max() < 1e-5 and bool((a[:, 1:] >= a[:, :-1] - 1e-7).all())
+    q = torch.softmax(torch.randn(3, 151936, device="cuda"), -1)  # not a multiple of the chunk
+    assert (decoder._cumsum(q) - q.cumsum(-1)).abs().max() < 1e-5
+
+
+def test_compiled_decode_step_launches_the_kernels():
+    m = with_trained_lora(tiny(initializer_range=0.05), scale=0.02).to("cuda", torch.bfloat16)
+    eng = sampler.Engine(m, use_graphs=True, compile=True)
+    eng.generate(PROMPTS, 8, eos=2, pad=2, seed=3)  # capture
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        a = eng.generate(PROMPTS, 8, eos=2, pad=2, seed=3)
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    assert eng.compile and any("_project" in n for n in names), sorted(names)[:40]
+    b = eng.generate(PROMPTS, 8, eos=2, pad=2, seed=3)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)

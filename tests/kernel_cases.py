@@ -1,0 +1,86 @@
+"""Cases for stages/blocks/kernels.py's `project`, shared by the CPU test (Triton's interpreter, fp16,
+tests/blocks/test_kernels.py) and the GPU test (bf16, tests/gpu/test_gpu_kernels.py).
+
+The reference takes the kernel's own rounding steps (normalised row, its product with the norm
+weight, the matmul's one rounding, silu(gate), its product with up, the residual add) with the
+matmul in fp64. What is left to differ, per output, bounded from first principles (eps = one ulp at
+1.0 of the compute dtype: 2**-7 bf16, 2**-10 fp16; S = |h| @ |w|.T, the sum of absolute terms):
+- the kernel's fp32 accumulation order: at most K * 2**-24 * S before rounding;
+- with a norm, the row statistic (fp32, summed in another order) can move a normalised element
+  across a rounding boundary: at most one ulp of each, eps * S in the sum;
+- the sum's rounding may then land one ulp away (eps * |y|), and silu(gate) * up and the residual
+  add propagate those (their own roundings add one ulp each), plus one subnormal step.
+Without a norm, most outputs must come out identical (only the accumulation order differs): a
+kernel indexing or rounding wrongly differs almost everywhere, so at most 5% may differ at all.
+(With one, a row statistic one fp32 ulp away moves many normalised elements at once, legitimately;
+the norm weights spread +-50%, so a norm applied wrongly breaks the bound instead.)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GPU_SHAPES = [(1, 96, 40), (3, 960, 1600), (4, 960, 960), (4, 2560, 960), (16, 1024, 3072), (5, 3072, 1024)]
+CPU_SHAPES = [(1, 96, 40), (4, 1000, 40), (5, 300, 24)]  # (the interpreter: small, several programs each)
+
+
+def reference(x, w, norm_w, bias, resid, eps, glu):
+    """(the kernel's output computed with an fp64 matmul, the per-element bound on the difference)."""
+    dt, K = x.dtype, x.shape[1]
+    ulp = torch.finfo(dt).eps
+    h = x
+    if norm_w is not None:
+        xf = x.float()
+        h = ((xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt).float() * norm_w.float()).to(dt)
+    y = h.double() @ w.double().T
+    S = h.double().abs() @ w.double().abs().T
+    E = (K * 2.0 ** -24 + (ulp if norm_w is not None else 0.0)) * S  # before rounding
+    if bias is not None:
+        y = y + bias.double()
+    y = y.to(dt).double()
+    E = E + ulp * y.abs()  # the rounding, one ulp either way
+    if glu:
+        (g, u), (Eg, Eu) = y.chunk(2, dim=-1), E.chunk(2, dim=-1)
+        s = F.silu(g.float()).to(dt).double()
+        Es = 1.1 * Eg + ulp * s.abs()  # |silu'| <= 1.1
+        y = (s * u).to(dt).double()
+        E = u.abs() * Es + s.abs() * Eu + ulp * y.abs()
+    if resid is not None:
+        y = (resid.double() + y).to(dt).double()
+        E = E + ulp * y.abs()
+    return y, E + torch.finfo(dt).smallest_normal * ulp
+
+
+def cases(device: str, dtype, shapes, seed: int = 0):
+    """(label, args of project) over the shapes and every flag combination the decoder uses."""
+    g = torch.Generator().manual_seed(seed)
+
+    def t(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device, dtype)
+
+    for M, K, N in shapes:
+        x = t(M, K)
+        w = t(2 * N, K, scale=K ** -0.5)
+        nw = (1 + 0.5 * torch.randn(K, generator=g)).to(device, dtype)
+        b = t(2 * N, scale=0.1)
+        r = t(M, N)
+        yield f"{M}x{K}x{N} plain", (x, w[:N].contiguous(), None, None, None, 1e-5, False)
+        yield f"{M}x{K}x{N} norm+bias", (x, w[:N].contiguous(), nw, b[:N].contiguous(), None, 1e-6, False)
+        yield f"{M}x{K}x{N} resid", (x, w[:N].contiguous(), None, None, r, 1e-5, False)
+        yield f"{M}x{K}x{N} norm+glu", (x, w, nw, None, None, 1e-5, True)
+        yield f"{M}x{K}x{N} glu+bias+resid", (x, w, None, b, r, 1e-5, True)
+
+
+def check(project, device: str, dtype, shapes, seed: int = 0) -> dict:
+    """Every case through `project` against `reference`: {label: (largest difference over its bound,
+    share of elements that differ at all)}, and the labels of the cases that fail either."""
+    out, bad = {}, []
+    for label, args in cases(device, dtype, shapes, seed):
+        got = project(*args).double()
+        ref, bound = reference(*args)
+        excess = float(((got - ref).abs() - bound).max())
+        differ = float((got != ref).double().mean())
+        out[label] = (excess, differ)
+        if excess > 0 or (differ > 0.05 and args[2] is None) or not torch.isfinite(got).all():
+            bad.append(label)
+    return {"cases": out, "bad": bad}

@@ -1,0 +1,44 @@
+"""One decoder layer's weights and inputs at a Llama/Qwen shape, for comparing decoder.fused_layer
+with decoder.layer (tests/blocks/test_kernels.py on CPU through Triton's interpreter, tests/gpu/
+test_gpu_kernels.py on CUDA)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from stages.blocks import decoder
+
+
+def compare(device: str, dtype, B: int = 3, H: int = 4, KV: int = 2, D: int = 16, I: int = 96, L: int = 12,
+            qwen3: bool = False, bias: bool = False, seed: int = 0) -> dict:
+    """Both layers over the same state (a cache with 7 live positions, one new token per sequence):
+    the largest difference of the residual stream they hand on and of the cache they write, each
+    over the largest magnitude there."""
+    g = torch.Generator().manual_seed(seed)
+    E = H * D
+
+    def t(*shape, scale=1.0, base=0.0):
+        return (base + torch.randn(*shape, generator=g) * scale).to(device, dtype)
+
+    w = {"qkv": t((H + 2 * KV) * D, E, scale=E ** -0.5), "o_proj": t(E, H * D, scale=(H * D) ** -0.5),
+         "gate_up": t(2 * I, E, scale=E ** -0.5), "down_proj": t(E, I, scale=I ** -0.5),
+         "qkv_bias": t((H + 2 * KV) * D, scale=0.1) if bias else None,
+         "ln1": t(E, scale=0.3, base=1.0), "ln2": t(E, scale=0.3, base=1.0),
+         "q_norm": t(D, scale=0.3, base=1.0) if qwen3 else None, "k_norm": t(D, scale=0.3, base=1.0) if qwen3 else None}
+    x, r = t(B, 1, E), t(B, 1, E)
+    kv = t(2, B, KV, L, D)
+    pos = torch.arange(7, 7 + B, device=device)[:, None]
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device=device).float() / D))
+    emb = torch.cat([pos.float()[..., None] * inv] * 2, dim=-1)
+    cos, sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    slots = torch.tensor([7], device=device)
+    mask = (torch.arange(L, device=device) <= 7)[None, None, None].expand(B, 1, 1, L)
+    args = (w, None, cos, sin, mask, slots, H, KV, D, 1e-5, F.silu)
+    kv_a, kv_b = kv.clone(), kv.clone()
+    xa, ma = decoder.layer(x, r, args[0], kv_a, *args[2:])
+    xb, rb = decoder.fused_layer(x + r, torch.zeros_like(x), args[0], kv_b, *args[2:])
+    a, b = (xa + ma).float(), xb.float()  # (the next layer adds them in the compute dtype)
+    assert not rb.any()  # the fused layer hands forward's zeros on
+    return {"stream": float((a - b).abs().max() / a.abs().max()),
+            "cache": float((kv_a.float() - kv_b.float()).abs().max() / kv_a.float().abs().max()),
+            "eps": torch.finfo(dtype).eps}

@@ -70,6 +70,9 @@ fi
 #   torchdata==0.11.0 cachetools==8.0.2 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 opentelemetry-api==1.45.2
 #   (what `python -m verl.trainer.main_ppo` imports at startup beyond the conformance extra)
 if [ "${1:-}" = test ]; then python tests/verl/side.py; fi
+# Triton, for the fused decode kernels' CPU tests (tests/blocks/test_kernels.py runs them through its
+# interpreter); CPU builds of torch do not depend on it. --no-deps: it declares none torch needs.
+if [ "${1:-}" = test ] && ! python -c "import triton" 2>/dev/null; then pip install -q --no-deps triton==3.9.0; fi
 # The HTML report's test renders it in headless Chromium (Debian's package): install it where we
 # may (root with apt); elsewhere that one test is skipped and says why.
 if [ "${1:-}" = test ] && ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -6,8 +6,8 @@ replayed, per variant of stages/blocks/decoder.py:
   compiled   the layer through torch.compile, cuBLAS matmuls, SDPA (the engine's default until 2026-12-02)
   fused      decoder.fused_layer through torch.compile (the engine's default since): the projections
              as stages/blocks/kernels.py's `project` launches, RMSNorm, SiLU gate and residual adds
-             folded in; fused_s4k / fused_s16k: the same with 4,096 / 16,384 weight elements per
-             program instead of kernels.SLAB's 8,192
+             folded in. Options after colons: fused:w1:s2048:fm = one warp per program (kernels.WARPS),
+             2,048 weight elements per program (kernels.SLAB), the float mask below
   wt         compiled, each matmul as the transposed product w @ x^T (cuBLAS sees a tall-skinny
              problem with the batch as its N, and chooses other kernels than for M = batch); the
              LM head too (F.linear is replaced for the variant), so the draw reads strided logits
@@ -41,13 +41,13 @@ import torch.nn.functional as F
 
 from stages.blocks import decoder, kernels, models
 
-SLAB = kernels.SLAB  # (the fused_s* variants change it for their capture; put back after)
+SLAB, WARPS = kernels.SLAB, kernels.WARPS  # (fused:... variants change them for their capture; put back after)
 
 SHAPES = {  # workload a (the seed) and b of benchmarks/systems.py: batch, prompt, new tokens
     "a": ("smollm2-360m", 4, 128, 64),
     "b": ("qwen3-0.6b", 64, 128, 512),
 }
-VARIANTS = ("compiled", "fused", "fused_s4k", "fused_s16k", "floatmask", "stack", "eager", "window", "wt", "autotune")
+VARIANTS = ("compiled", "fused", "floatmask", "stack", "eager", "window", "wt", "autotune")
 
 
 def linear_t(x, w, b=None):
@@ -133,7 +133,8 @@ def _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, 
         models.compile_settings()
         decoder.F.linear = linear_t if v == "wt" else orig_linear  # (torch.nn.functional itself, for this variant)
         st = state(W, B, P, N, live)
-        st["float_mask"] = v == "floatmask"
+        opts = v.split(":")[1:]
+        st["float_mask"] = v == "floatmask" or "fm" in opts
         if v == "eager":
             fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, decoder.layer))  # noqa: E731
         elif v == "stack":
@@ -145,7 +146,8 @@ def _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, 
 
                 ic.deterministic = False
             if v.startswith("fused"):
-                kernels.SLAB = {"fused": SLAB, "fused_s4k": 4096, "fused_s16k": 16384}[v]
+                kernels.SLAB = next((int(o[1:]) for o in opts if o[0] == "s"), SLAB)
+                kernels.WARPS = next((int(o[1:]) for o in opts if o[0] == "w"), WARPS)
             layer = torch.compile(decoder.fused_layer if v.startswith("fused") else decoder.layer,
                                   fullgraph=True, dynamic=False,
                                   mode="max-autotune-no-cudagraphs" if v == "autotune" else None)
@@ -176,7 +178,7 @@ def run_shape(name: str, deadline: float, reps: int, variants: list[str]) -> dic
         _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, variants)
     finally:
         decoder.F.linear = orig_linear  # (torch.nn.functional itself: put back whatever happened)
-        kernels.SLAB = SLAB
+        kernels.SLAB, kernels.WARPS = SLAB, WARPS
     ref = res["variants"].get("eager", {}).get("logits")
     for row in res["variants"].values():
         lg = row.pop("logits", None)
@@ -210,7 +212,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=420, help="stop starting variants after this")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ",".join(VARIANTS))
     args = ap.parse_args()
-    bad = [v for v in args.variants.split(",") if v not in VARIANTS]
+    bad = [v for v in args.variants.split(",") if v not in VARIANTS and not v.startswith("fused:")]
     if bad:
         ap.error(f"--variants: unknown {bad}; expected some of {','.join(VARIANTS)}")
     variants = args.variants.split(",")  # (the eager one is the numerics reference)

@@ -265,7 +265,9 @@ class Session:
     def runtime_slice(self) -> dict:
         s = {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch.")}
         if self.compiled_decode:  # (no key when eager: those digests are what they were)
-            s["decode"] = "compiled"
+            s["decode"] = "compiled+project"  # since 2026-12-02 with stages/blocks/kernels.py's projections
+        if self.device.type == "cuda":
+            s["draw"] = "chunked-cdf"  # the draw's CDF scanned in chunks on CUDA (decoder._cumsum), since 2026-12-02
         if self.device.type == "cuda":  # teacher-forced forwards in the padded layout (stages/blocks/graphs.py),
             s["forwards"] = f"padded-to-{self.forward_length()}"  # replayed from graphs for these roles (cuBLAS may
             g = sorted(phases.graphed_roles(self.cfg, "cuda"), reverse=True)  # ["student", "teacher"] as before

@@ -236,7 +236,8 @@ def forward(W, ids, pos, cache, slots, key_valid, layer=layer):
     """One forward over T new tokens per sequence, writing their K/V into the static cache.
 
     ids [B, T]; pos [B, T] rotary positions; cache [n_layers, 2, B, n_kv, L, D] (`new_cache`);
-    slots [T] cache slots for the new tokens; key_valid [B, T, L] bool. Returns hidden [B, T, H].
+    slots [T] cache slots for the new tokens; key_valid [B, T, L] bool, or the additive float mask
+    SDPA would make of it (0 attended, -inf not; the decode step makes it once, not every layer). Returns hidden [B, T, H].
     """
     dt = W["dtype"]
     x = F.embedding(ids, W["embed"])

@@ -31,7 +31,13 @@ except ImportError:  # CPU builds of torch ship no Triton
     triton = None
 
 MAX_ROWS = 16  # rows (batch x new tokens) up to which the decode step takes these kernels
-SLAB = 8192  # weight elements one program holds (registers): its row block is SLAB // padded K rows
+# One warp per program holding 2,048 weight elements (a row block of SLAB // padded K rows, at least
+# one row) measured fastest on the H200 at SmolLM2-360M's decode step: 1.268 ms against 1.324 with
+# four warps and 4,096, 1.368 with four and 8,192, and cuBLAS's 1.352 (benchmarks/results/
+# 2026-12-02-h200-0a4faaf-decode-kernels-sweep.md): one warp reduces its rows with shuffles alone,
+# no shared memory or barrier, and many small programs keep more loads in flight.
+SLAB = 2048
+WARPS = None  # warps per program; None: one, and one more per 4,096 elements past that (wide K)
 
 
 def usable(x: torch.Tensor, act) -> bool:
@@ -99,7 +105,7 @@ def _launch(x, w, norm_w, bias, resid, eps, glu, out):
         x.stride(0), out.stride(0), resid.stride(0) if resid is not None else 0,
         BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, KP=KP,
         NORM=norm_w is not None, GLU=glu, HAS_BIAS=bias is not None, RESID=resid is not None,
-        num_warps=4 if block_n * KP * (2 if glu else 1) <= 8192 else 8)
+        num_warps=WARPS or max(1, block_n * KP * (2 if glu else 1) // 4096))
 
 
 @torch.library.custom_op("opd::project", mutates_args=())

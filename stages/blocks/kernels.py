@@ -14,7 +14,8 @@ same kernel what otherwise costs kernels of its own around the matmul:
 Rounding follows the eager decode layer (decoder.layer): RMSNorm in fp32 rounded to the compute
 dtype, then scaled by its weight in that dtype; the matmul accumulates in fp32 and is rounded once;
 silu(gate) and its product with up are rounded as eager rounds them; the residual add is done on the
-rounded product. Each output element is reduced by one program in a fixed order: deterministic.
+rounded product (except with glu and resid together, which the decoder never asks for: Triton's FP
+fusion makes product and add one bf16 FMA there, one rounding; tests/kernel_cases.py). Each output element is reduced by one program in a fixed order: deterministic.
 
 A torch custom op (`opd::project`), so that torch.compile keeps it whole inside the compiled decode
 layer and CUDA graph capture records its launch. Without Triton (CPU builds of torch) `available()`

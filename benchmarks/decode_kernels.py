@@ -4,7 +4,9 @@ replayed, per variant of stages/blocks/decoder.py:
 
   eager      the layer eager (~20 kernels per layer)
   compiled   the layer through torch.compile, cuBLAS matmuls, SDPA (the engine's default until 2026-12-02)
-  fused      decoder.fused_layer through torch.compile (the engine's default since): the projections
+  kernels    decoder.fused_layer uncompiled, the float mask below (the engine's default since the
+             rotary kernel): each projection and the rotary/cache write one Triton kernel, no Inductor
+  fused      decoder.fused_layer through torch.compile (the engine's default at dc11211): the projections
              as stages/blocks/kernels.py's `project` launches, RMSNorm, SiLU gate and residual adds
              folded in. Options after colons: fused:w1:s2048:fm = one warp per program (kernels.WARPS),
              2,048 weight elements per program (kernels.SLAB), the float mask below
@@ -47,7 +49,7 @@ SHAPES = {  # workload a (the seed) and b of benchmarks/systems.py: batch, promp
     "a": ("smollm2-360m", 4, 128, 64),
     "b": ("qwen3-0.6b", 64, 128, 512),
 }
-VARIANTS = ("compiled", "fused", "floatmask", "stack", "eager", "window", "wt", "autotune")
+VARIANTS = ("compiled", "kernels", "fused", "floatmask", "stack", "eager", "window", "wt", "autotune")
 
 
 def linear_t(x, w, b=None):
@@ -134,8 +136,10 @@ def _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, 
         decoder.F.linear = linear_t if v == "wt" else orig_linear  # (torch.nn.functional itself, for this variant)
         st = state(W, B, P, N, live)
         opts = v.split(":")[1:]
-        st["float_mask"] = v == "floatmask" or "fm" in opts
-        if v == "eager":
+        st["float_mask"] = v in ("floatmask", "kernels") or "fm" in opts
+        if v == "kernels":
+            fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, decoder.fused_layer))  # noqa: E731
+        elif v == "eager":
             fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, decoder.layer))  # noqa: E731
         elif v == "stack":
             whole = torch.compile(lambda: logits_fn(W, st, decoder.layer), fullgraph=True, dynamic=False)  # noqa: B023

@@ -197,16 +197,23 @@ def layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
 def fused_layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
     """`layer` for a decode step of at most kernels.MAX_ROWS rows on CUDA (kernels.usable): four
     `kernels.project` launches do the projections with the RMSNorms, the SiLU gate and the residual
-    adds folded in (docs/architecture.md, "fused decode projections"). Every residual add happens
-    inside a projection, so r stays `forward`'s zeros and is handed on as it came (the choice is by
-    shape and dtype, the same for every layer of a forward). Other inputs: `layer`."""
-    if not kernels.usable(x, act):
-        return layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act)
+    adds folded in, and for one new token per row `kernels.rope_cache` does what `attend` does
+    before SDPA (per-head norms, rotary, the cache writes): no kernel is left for Inductor, so the
+    engine runs it uncompiled (docs/architecture.md, "fused decode projections"). Every residual add
+    happens inside a projection, so r stays `forward`'s zeros and is handed on as it came (the choice
+    is by shape and dtype, the same for every layer of a forward). Other inputs: `layer`."""
     B, T, E = x.shape
+    if not kernels.usable(B * T, x.dtype, x.device, act):
+        return layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act)
     x = x.view(B * T, E)
     qkv = kernels.project(x, w["qkv"], w["ln1"], w["qkv_bias"], None, eps, False)  # [B*T, (H+2KV)*D]
-    o = attend(qkv.view(B, T, H + 2 * KV, D), w, kv, cos, sin, mask, slots, H, KV, D, eps)
-    x = kernels.project(o.reshape(B * T, H * D), w["o_proj"], None, None, x, eps, False)  # x + o @ Wo.T
+    if T == 1:
+        q = kernels.rope_cache(qkv, cos, sin, w["q_norm"], w["k_norm"], kv, slots, H, KV, eps)  # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, enable_gqa=KV != H)
+        o = o.transpose(1, 2).reshape(B * T, H * D)
+    else:
+        o = attend(qkv.view(B, T, H + 2 * KV, D), w, kv, cos, sin, mask, slots, H, KV, D, eps).reshape(B * T, H * D)
+    x = kernels.project(o, w["o_proj"], None, None, x, eps, False)  # x + o @ Wo.T
     a = kernels.project(x, w["gate_up"], w["ln2"], None, None, eps, True)  # silu(gate) * up [B*T, I]
     return kernels.project(a, w["down_proj"], None, None, x, eps, False).view(B, T, E), r
 
@@ -225,6 +232,11 @@ def compiled_layer():
         models.compile_settings()  # deterministic kernel choices; shapes are static (one compilation
         _COMPILED = torch.compile(fused_layer, fullgraph=True, dynamic=False)  # per batch and cache length)
     return _COMPILED
+
+
+def activation(W):
+    """The MLP's activation function for these sampling weights."""
+    return getattr(F, W["act"]) if W["act"] != "swish" else F.silu
 
 
 def new_cache(W, B: int, L: int, device) -> torch.Tensor:
@@ -246,7 +258,7 @@ def forward(W, ids, pos, cache, slots, key_valid, layer=layer):
     cos = (emb.cos() * W["rope_scale"]).to(dt)[:, None]  # [B, 1, T, D]
     sin = (emb.sin() * W["rope_scale"]).to(dt)[:, None]
     mask = key_valid[:, None]  # [B, 1, T, L]
-    act = getattr(F, W["act"]) if W["act"] != "swish" else F.silu
+    act = activation(W)
     r = torch.zeros_like(x)
     for i, w in enumerate(W["layers"]):
         x, r = layer(x, r, w, cache[i], cos, sin, mask, slots, W["n_heads"], W["n_kv"], W["head_dim"], W["eps"], act)

@@ -41,10 +41,10 @@ SLAB = 2048
 WARPS = None  # warps per program; None: one, and one more per 4,096 elements past that (wide K)
 
 
-def usable(x: torch.Tensor, act) -> bool:
-    """Whether `project` serves this decode layer input x [B, T, hidden] (decided at trace time)."""
-    return (triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and x.shape[0] * x.shape[1] <= MAX_ROWS and act is torch.nn.functional.silu)
+def usable(rows: int, dtype, device, act) -> bool:
+    """Whether these kernels serve a decode layer over `rows` rows (batch x new tokens)."""
+    return (triton is not None and torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and rows <= MAX_ROWS and act is torch.nn.functional.silu)
 
 
 if triton is not None:
@@ -92,6 +92,41 @@ if triton is not None:
                 tl.store(Y + m * sy + rn, y, mask=nm)
 
 
+    @triton.jit
+    def _rope_cache(QKV, COS, SIN, QN, KN, Q, KV, SLOT, eps, s_qkv, s_cos, s_kvc, s_kvb, s_kvh, s_kvl,
+                    H: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+        # program (b, j): head j of row b's q|k|v [B, (H + 2 NKV) * D]; q heads -> Q [B, H, D],
+        # k and v heads -> KV [2, B, NKV, L, D] at the slot SLOT holds (a device scalar: no sync)
+        b, j = tl.program_id(0), tl.program_id(1)
+        d = tl.arange(0, D // 2)
+        src = QKV + b * s_qkv + j * D
+        x1, x2 = tl.load(src + d), tl.load(src + D // 2 + d)  # the head's two halves
+        dt = x1.dtype
+        slot = tl.load(SLOT)
+        if j < H + NKV:  # q or k: Qwen3's per-head RMSNorm, then rotary
+            if NORM:
+                NW = QN if j < H else KN
+                f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+                rstd = tl.rsqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / D + eps)
+                x1 = ((f1 * rstd).to(dt).to(tl.float32) * tl.load(NW + d).to(tl.float32)).to(dt)
+                x2 = ((f2 * rstd).to(dt).to(tl.float32) * tl.load(NW + D // 2 + d).to(tl.float32)).to(dt)
+            c = tl.load(COS + b * s_cos + d).to(tl.float32)  # cos/sin [B, D]: both halves alike
+            s = tl.load(SIN + b * s_cos + d).to(tl.float32)
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            y1, y2 = (f1 * c - f2 * s).to(dt), (f2 * c + f1 * s).to(dt)  # fp32, one rounding (as compiled)
+            if j < H:
+                tl.store(Q + (b * H + j) * D + d, y1)
+                tl.store(Q + (b * H + j) * D + D // 2 + d, y2)
+            else:
+                dst = KV + b * s_kvb + (j - H) * s_kvh + slot * s_kvl
+                tl.store(dst + d, y1)
+                tl.store(dst + D // 2 + d, y2)
+        else:  # v: into the cache as it is
+            dst = KV + s_kvc + b * s_kvb + (j - H - NKV) * s_kvh + slot * s_kvl
+            tl.store(dst + d, x1)
+            tl.store(dst + D // 2 + d, x2)
+
+
 def _launch(x, w, norm_w, bias, resid, eps, glu, out):
     M, K = x.shape
     N = w.shape[0] // 2 if glu else w.shape[0]
@@ -125,3 +160,28 @@ def project(x: torch.Tensor, w: torch.Tensor, norm_w: torch.Tensor | None, bias:
 @project.register_fake
 def _(x, w, norm_w, bias, resid, eps, glu):
     return x.new_empty((x.shape[0], w.shape[0] // 2 if glu else w.shape[0]))
+
+
+@torch.library.custom_op("opd::rope_cache", mutates_args=("kv",))
+def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
+               k_norm: torch.Tensor | None, kv: torch.Tensor, slots: torch.Tensor, n_heads: int, n_kv: int,
+               eps: float) -> torch.Tensor:
+    """A decode step's attention inputs, one new token per row: qkv [B, (H + 2 KV) * D] contiguous
+    (the q|k|v projection), cos/sin [B, D] (rotary tables of the rows' positions), q_norm/k_norm [D]
+    or None (Qwen3's per-head RMSNorm, before rotary); writes the rotated k and the v of every row
+    into kv [2, B, KV, L, D] (one layer's cache, contiguous in D) at slots [1] (the slot, on the
+    device) and returns the rotated q [B, H, 1, D]. What `decoder.attend` does before SDPA, in one kernel."""
+    B = qkv.shape[0]
+    D = qkv.shape[1] // (n_heads + 2 * n_kv)
+    q = torch.empty((B, n_heads, 1, D), dtype=qkv.dtype, device=qkv.device)
+    cos, sin = cos.reshape(B, D), sin.reshape(B, D)
+    _rope_cache[(B, n_heads + 2 * n_kv)](
+        qkv, cos, sin, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, q, kv, slots,
+        eps, qkv.stride(0), cos.stride(0), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        H=n_heads, NKV=n_kv, D=D, NORM=q_norm is not None, num_warps=1)
+    return q
+
+
+@rope_cache.register_fake
+def _(qkv, cos, sin, q_norm, k_norm, kv, slots, n_heads, n_kv, eps):
+    return qkv.new_empty((qkv.shape[0], n_heads, 1, qkv.shape[1] // (n_heads + 2 * n_kv)))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import decoder, graphs, models
+from . import decoder, graphs, kernels, models
 from .lmhead import to_host as _to_host
 
 SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
@@ -218,7 +218,7 @@ class Engine:
         if valid.is_cuda:  # the additive mask SDPA makes of a bool one, made once per step, not per layer
             valid = torch.zeros(valid.shape, dtype=W["dtype"], device=valid.device).masked_fill_(~valid, float("-inf"))
         h = decoder.forward(W, st["tok"][:, None], (slot - st["pad_len"])[:, None], st["kv"], slot, valid,
-                            decoder.compiled_layer() if self.compile else decoder.layer)
+                            self._decode_layer(B))
         logits = F.linear(h[:, 0], W["head"])
         blk = (k < min_new).expand(B) if min_new > 0 else None
         t, l = decoder.pick(logits, st["u"].index_select(0, k)[0], temperature, top_p,
@@ -231,6 +231,16 @@ class Engine:
         st["tok"].copy_(t)
         slot.add_(1)
         k.add_(1)
+
+    def _decode_layer(self, rows: int):
+        """The decode step's layer: with runtime.compile, the Triton kernels alone where they serve
+        these rows (kernels.usable: nothing is left for Inductor, so nothing compiles), else the
+        compiled layer; without it, eager."""
+        if not self.compile:
+            return decoder.layer
+        if kernels.usable(rows, self.W["dtype"], self.device, decoder.activation(self.W)):
+            return decoder.fused_layer
+        return decoder.compiled_layer()
 
     def _graphed(self, inp: dict, how: tuple):
         """This call's inputs into the captured graphs' static buffers, the prefill replayed: (the

@@ -23,7 +23,7 @@ sys.path.insert(0, "tests")
 import torch
 from stages.blocks import kernels
 import kernel_cases, layer_cases
-kernels.usable = lambda x, act: True  # (CPU tensors: the interpreter runs the kernel)
+kernels.usable = lambda rows, dtype, device, act: True  # (CPU tensors: the interpreter runs the kernel)
 out = {"project": [kernel_cases.check(kernels.project, "cpu", torch.float16, kernel_cases.CPU_SHAPES, s)
                    for s in range(5)],
        "layer": [layer_cases.compare("cpu", torch.float16, qwen3=q, bias=b, seed=s)
@@ -60,9 +60,10 @@ def test_fused_layer_matches_layer(interpreted):
 
 
 def test_cpu_decoding_never_takes_the_kernels():
-    x = torch.zeros(2, 1, 8, dtype=torch.bfloat16)
-    assert not kernels.usable(x, torch.nn.functional.silu)  # CPU tensors: the decoder's own layer
-    assert not kernels.usable(x.float(), torch.nn.functional.silu)
+    silu = torch.nn.functional.silu
+    assert not kernels.usable(2, torch.bfloat16, "cpu", silu)  # CPU: the decoder's own layer
+    assert not kernels.usable(2, torch.float32, "cuda", silu) and not kernels.usable(17, torch.bfloat16, "cuda", silu)
+    assert not kernels.usable(2, torch.bfloat16, "cuda", torch.nn.functional.gelu)
 
 
 def test_chunked_cumsum_on_cpu_is_the_plain_scan():

@@ -5,11 +5,13 @@ replayed, per variant of stages/blocks/decoder.py:
   eager      the layer eager (~20 kernels per layer)
   compiled   the layer through torch.compile, cuBLAS matmuls, SDPA (the engine's default until 2026-12-02)
   kernels    decoder.fused_layer uncompiled, the float mask below (the engine's default since the
-             rotary kernel): each projection and the rotary/cache write one Triton kernel, no Inductor
+             rotary kernel): each projection and the rotary/cache write one Triton kernel, no Inductor;
+             takes the options of `fused` below (kernels:pr = with dc11211's row loop)
   fused      decoder.fused_layer through torch.compile (the engine's default at dc11211): the projections
              as stages/blocks/kernels.py's `project` launches, RMSNorm, SiLU gate and residual adds
              folded in. Options after colons: fused:w1:s2048:fm = one warp per program (kernels.WARPS),
-             2,048 weight elements per program (kernels.SLAB), the float mask below
+             2,048 weight elements per program (kernels.SLAB), the float mask below; ':pr' the row
+             loop of dc11211 (kernels.PER_ROW: a branch and a store per row)
   wt         compiled, each matmul as the transposed product w @ x^T (cuBLAS sees a tall-skinny
              problem with the batch as its N, and chooses other kernels than for M = batch); the
              LM head too (F.linear is replaced for the variant), so the draw reads strided logits
@@ -43,7 +45,7 @@ import torch.nn.functional as F
 
 from stages.blocks import decoder, kernels, models
 
-SLAB, WARPS = kernels.SLAB, kernels.WARPS  # (fused:... variants change them for their capture; put back after)
+SLAB, WARPS, PER_ROW = kernels.SLAB, kernels.WARPS, kernels.PER_ROW  # (fused:... variants change them for their capture; put back after)
 
 SHAPES = {  # workload a (the seed) and b of benchmarks/systems.py: batch, prompt, new tokens
     "a": ("smollm2-360m", 4, 128, 64),
@@ -136,8 +138,12 @@ def _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, 
         decoder.F.linear = linear_t if v == "wt" else orig_linear  # (torch.nn.functional itself, for this variant)
         st = state(W, B, P, N, live)
         opts = v.split(":")[1:]
-        st["float_mask"] = v in ("floatmask", "kernels") or "fm" in opts
-        if v == "kernels":
+        st["float_mask"] = v.startswith(("floatmask", "kernels")) or "fm" in opts
+        if v.startswith(("fused", "kernels")):  # the kernels' settings, read at capture
+            kernels.SLAB = next((int(o[1:]) for o in opts if o[0] == "s"), SLAB)
+            kernels.WARPS = next((int(o[1:]) for o in opts if o[0] == "w"), WARPS)
+            kernels.PER_ROW = "pr" in opts
+        if v.startswith("kernels"):
             fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, decoder.fused_layer))  # noqa: E731
         elif v == "eager":
             fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, decoder.layer))  # noqa: E731
@@ -149,9 +155,6 @@ def _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, 
                 import torch._inductor.config as ic
 
                 ic.deterministic = False
-            if v.startswith("fused"):
-                kernels.SLAB = next((int(o[1:]) for o in opts if o[0] == "s"), SLAB)
-                kernels.WARPS = next((int(o[1:]) for o in opts if o[0] == "w"), WARPS)
             layer = torch.compile(decoder.fused_layer if v.startswith("fused") else decoder.layer,
                                   fullgraph=True, dynamic=False,
                                   mode="max-autotune-no-cudagraphs" if v == "autotune" else None)
@@ -182,7 +185,7 @@ def run_shape(name: str, deadline: float, reps: int, variants: list[str]) -> dic
         _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, variants)
     finally:
         decoder.F.linear = orig_linear  # (torch.nn.functional itself: put back whatever happened)
-        kernels.SLAB, kernels.WARPS = SLAB, WARPS
+        kernels.SLAB, kernels.WARPS, kernels.PER_ROW = SLAB, WARPS, PER_ROW
     ref = res["variants"].get("eager", {}).get("logits")
     for row in res["variants"].values():
         lg = row.pop("logits", None)
@@ -216,7 +219,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=420, help="stop starting variants after this")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ",".join(VARIANTS))
     args = ap.parse_args()
-    bad = [v for v in args.variants.split(",") if v not in VARIANTS and not v.startswith("fused:")]
+    bad = [v for v in args.variants.split(",") if v not in VARIANTS and not v.startswith(("fused:", "kernels:"))]
     if bad:
         ap.error(f"--variants: unknown {bad}; expected some of {','.join(VARIANTS)}")
     variants = args.variants.split(",")  # (the eager one is the numerics reference)

@@ -38,6 +38,7 @@ MAX_ROWS = 16  # rows (batch x new tokens) up to which the decode step takes the
 # 2026-12-02-h200-0a4faaf-decode-kernels-sweep.md): one warp reduces its rows with shuffles alone,
 # no shared memory or barrier, and many small programs keep more loads in flight.
 SLAB = 2048
+PER_ROW = False  # dc11211's row loop (a branch and a store per row); benchmarks/decode_kernels.py ':pr'
 WARPS = None  # warps per program; None: one, and one more per 4,096 elements past that (wide K)
 
 
@@ -51,7 +52,8 @@ if triton is not None:
     @triton.jit
     def _project(X, NW, W, BIAS, R, Y, M, N, K, eps, sx, sy, sr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr,
-                 NORM: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, RESID: tl.constexpr):
+                 NORM: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, RESID: tl.constexpr,
+                 PER_ROW: tl.constexpr):
         # program: output columns [n0, n0 + BLOCK_N) of every row; W [N (x2 with GLU), K] row-major
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         rk = tl.arange(0, KP)  # [KP], K padded to a power of two (masked lanes fetch nothing)
@@ -66,9 +68,22 @@ if triton is not None:
             b = tl.load(BIAS + rn, mask=nm, other=0.0).to(tl.float32)
             if GLU:
                 b2 = tl.load(BIAS + N + rn, mask=nm, other=0.0).to(tl.float32)
+        rm = tl.arange(0, BLOCK_M)
+        out = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # every row's result, stored once at the end
+        if not PER_ROW:  # every input row loaded up front, so that no row's loads wait for another's compute
+            xt = tl.load(X + rm[:, None] * sx + rk[None, :], mask=(rm < M)[:, None] & km[None, :], other=0.0)
+            if RESID:
+                rt = tl.load(R + rm[:, None] * sr + rn[None, :], mask=(rm < M)[:, None] & nm[None, :], other=0.0)
         for m in tl.static_range(BLOCK_M):
-            if m < M:
-                xr = tl.load(X + m * sx + rk, mask=km, other=0.0)  # [KP], the compute dtype
+            # rows past M (BLOCK_M: M rounded up to a power of two) masked, not branched around, and no
+            # store until every row is done: a store may alias X or R, so a load after one cannot be
+            # issued before it, and each row's loads would wait for the row before (sm_90 SASS of
+            # dc11211's kernel). PER_ROW: that kernel (branch, then a store per row), for comparison.
+            if not PER_ROW or m < M:
+                if PER_ROW:  # (inside the branch: m < M)
+                    xr = tl.load(X + m * sx + rk, mask=km, other=0.0)  # [KP], the compute dtype
+                else:  # row m of the tile (a select and a sum over BLOCK_M values: exact)
+                    xr = tl.sum(tl.where(rm[:, None] == m, xt, 0.0), 0).to(xt.dtype)
                 dt = xr.dtype
                 if NORM:  # w * rms_norm(x): fp32 statistics, normalised row rounded, scaled in dtype
                     xf = xr.to(tl.float32)
@@ -87,9 +102,18 @@ if triton is not None:
                     s = (g / (1.0 + tl.exp(-g))).to(dt)  # silu(gate), rounded as eager rounds it
                     y = (s.to(tl.float32) * u.to(dt).to(tl.float32)).to(dt)
                 if RESID:
-                    r = tl.load(R + m * sr + rn, mask=nm, other=0.0)
+                    if PER_ROW:
+                        r = tl.load(R + m * sr + rn, mask=nm, other=0.0)
+                    else:
+                        r = tl.sum(tl.where(rm[:, None] == m, rt, 0.0), 0).to(rt.dtype)
                     y = (r.to(tl.float32) + y.to(tl.float32)).to(dt)
-                tl.store(Y + m * sy + rn, y, mask=nm)
+                if PER_ROW:
+                    tl.store(Y + m * sy + rn, y, mask=nm)
+                else:
+                    out = tl.where(rm[:, None] == m, y.to(tl.float32)[None, :], out)  # (exact: y is rounded)
+        if not PER_ROW:
+            tl.store(Y + rm[:, None] * sy + rn[None, :], out.to(Y.dtype.element_ty),
+                     mask=(rm < M)[:, None] & nm[None, :])
 
 
     @triton.jit
@@ -140,7 +164,7 @@ def _launch(x, w, norm_w, bias, resid, eps, glu, out):
         resid if resid is not None else dummy, out, M, N, K, eps,
         x.stride(0), out.stride(0), resid.stride(0) if resid is not None else 0,
         BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, KP=KP,
-        NORM=norm_w is not None, GLU=glu, HAS_BIAS=bias is not None, RESID=resid is not None,
+        NORM=norm_w is not None, GLU=glu, HAS_BIAS=bias is not None, RESID=resid is not None, PER_ROW=PER_ROW,
         num_warps=WARPS or max(1, block_n * KP * (2 if glu else 1) // 4096))
 
 

@@ -24,10 +24,13 @@ import torch
 from stages.blocks import kernels
 import kernel_cases, layer_cases
 kernels.usable = lambda rows, dtype, device, act: True  # (CPU tensors: the interpreter runs the kernel)
-out = {"project": [kernel_cases.check(kernels.project, "cpu", torch.float16, kernel_cases.CPU_SHAPES, s)
-                   for s in range(5)],
+def runs(seeds):
+    return [kernel_cases.check(kernels.project, "cpu", torch.float16, kernel_cases.CPU_SHAPES, s) for s in seeds]
+out = {"project": runs(range(3)),
        "layer": [layer_cases.compare("cpu", torch.float16, qwen3=q, bias=b, seed=s)
                  for s, (q, b) in enumerate([(False, False), (True, False), (False, True)])]}
+kernels.PER_ROW = True  # the row loop of dc11211's kernel (benchmarks/decode_kernels.py compares them)
+out["per_row"] = runs(range(1))
 print(json.dumps(out))
 """
 
@@ -42,7 +45,7 @@ def interpreted():
 
 
 def test_project_within_its_derived_bounds(interpreted):
-    for run in interpreted["project"]:
+    for run in interpreted["project"] + interpreted["per_row"]:  # (per_row: kernels.PER_ROW's row loop)
         assert run["bad"] == [], run
         # every flag combination the decoder uses, at several programs per matrix
         assert {lbl.split(" ", 1)[1] for lbl in run["cases"]} == {

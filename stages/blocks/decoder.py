@@ -267,11 +267,16 @@ def forward(W, ids, pos, cache, slots, key_valid, layer=layer):
 
 def _cumsum(p, chunk: int = 1024):
     """p.cumsum(-1) for p [B, V] >= 0. CUDA scans a few long rows one thread block per row (65 us
-    for 4 x 49,152 on the H200, most of a decode step's draw): there, chunks of `chunk` are scanned
-    side by side and each chunk adds the sum of the chunks before it (rounding differs from one
-    long scan in the last bits; the same inputs give the same bits). CPU: one scan."""
+    for 4 x 49,152 on the H200, most of a decode step's draw): there, `chunked_cumsum`. CPU: one scan."""
     if not p.is_cuda or p.shape[-1] <= chunk:
         return p.cumsum(-1)
+    return chunked_cumsum(p, chunk)
+
+
+def chunked_cumsum(p, chunk: int):
+    """p.cumsum(-1) as chunks of `chunk` scanned side by side, each adding the sum of the chunks
+    before it (rounding differs from one long scan in the last bits; the same inputs give the same
+    bits). Any device (tests run it on CPU)."""
     B, V = p.shape
     n = -(-V // chunk)
     c = F.pad(p, (0, n * chunk - V)).view(B, n, chunk).cumsum(-1)  # [B, n, chunk]

@@ -38,6 +38,9 @@ MAX_ROWS = 16  # rows (batch x new tokens) up to which the decode step takes the
 # 2026-12-02-h200-0a4faaf-decode-kernels-sweep.md): one warp reduces its rows with shuffles alone,
 # no shared memory or barrier, and many small programs keep more loads in flight.
 SLAB = 2048
+# Triton's FP fusion (mul + add as one FMA) changes bytes, and its default is to flip in Triton 3.10
+# (TRITON_DEFAULT_FP_FUSION changes it today): pinned, as every measurement so far ran it (on).
+FP_FUSION = True
 PER_ROW = False  # dc11211's row loop (a branch and a store per row); benchmarks/decode_kernels.py ':pr'
 WARPS = None  # warps per program; None: one, and one more per 4,096 elements past that (wide K)
 
@@ -165,7 +168,7 @@ def _launch(x, w, norm_w, bias, resid, eps, glu, out):
         x.stride(0), out.stride(0), resid.stride(0) if resid is not None else 0,
         BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, KP=KP,
         NORM=norm_w is not None, GLU=glu, HAS_BIAS=bias is not None, RESID=resid is not None, PER_ROW=PER_ROW,
-        num_warps=WARPS or max(1, block_n * KP * (2 if glu else 1) // 4096))
+        num_warps=WARPS or max(1, block_n * KP * (2 if glu else 1) // 4096), enable_fp_fusion=FP_FUSION)
 
 
 @torch.library.custom_op("opd::project", mutates_args=())
@@ -174,8 +177,13 @@ def project(x: torch.Tensor, w: torch.Tensor, norm_w: torch.Tensor | None, bias:
     """y [M, N] = resid + epilogue(rmsnorm(x) @ w.T + bias), x [M, K] contiguous rows, w [N or 2N, K]
     contiguous. norm_w: RMSNorm weight [K] applied to x first (None: x as it is); glu: w is gate|up
     stacked, y = silu(gate) * up; resid [M, N] added last (None: nothing)."""
-    M = x.shape[0]
+    M, K = x.shape
     N = w.shape[0] // 2 if glu else w.shape[0]
+    # the kernel reads w, bias and norm_w as dense rows (in a CUDA graph these run at capture only)
+    torch._check(w.dim() == 2 and w.shape[1] == K and w.is_contiguous(), lambda: "project: w must be [N, K], contiguous")
+    for t, n in ((norm_w, K), (bias, w.shape[0])):
+        torch._check(t is None or (t.shape == (n,) and t.is_contiguous()), lambda: "project: norm_w [K] / bias [w rows]")
+    torch._check(resid is None or tuple(resid.shape) == (M, N), lambda: "project: resid must be [M, N]")
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     _launch(x.contiguous(), w, norm_w, bias, None if resid is None else resid.contiguous(), eps, glu, out)
     return out
@@ -202,7 +210,7 @@ def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: 
     _rope_cache[(B, n_heads + 2 * n_kv)](
         qkv, cos, sin, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, q, kv, slots,
         eps, qkv.stride(0), cos.stride(0), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        H=n_heads, NKV=n_kv, D=D, NORM=q_norm is not None, num_warps=1)
+        H=n_heads, NKV=n_kv, D=D, NORM=q_norm is not None, num_warps=1, enable_fp_fusion=FP_FUSION)
     return q
 
 

@@ -66,9 +66,28 @@ def test_cpu_decoding_never_takes_the_kernels():
     silu = torch.nn.functional.silu
     assert not kernels.usable(2, torch.bfloat16, "cpu", silu)  # CPU: the decoder's own layer
     assert not kernels.usable(2, torch.float32, "cuda", silu) and not kernels.usable(17, torch.bfloat16, "cuda", silu)
+    if kernels.triton is not None:  # (the 16-row boundary: MAX_ROWS rows take the kernels on CUDA)
+        assert kernels.usable(kernels.MAX_ROWS, torch.bfloat16, "cuda", silu)
     assert not kernels.usable(2, torch.bfloat16, "cuda", torch.nn.functional.gelu)
 
 
-def test_chunked_cumsum_on_cpu_is_the_plain_scan():
+def test_chunked_cumsum_is_the_scan_to_fp32_rounding():
+    # the chunk arithmetic itself (on CUDA the draw takes it; on CPU _cumsum is the plain scan)
+    g = torch.Generator().manual_seed(0)
+    for V in (1024, 1025, 3000, 49152):
+        p = torch.softmax(torch.randn(3, V, generator=g) * 3, -1)
+        ref = p.double().cumsum(-1)
+        got = decoder.chunked_cumsum(p, 1024)
+        assert got.shape == p.shape and got.is_contiguous()
+        assert float((got.double() - ref).abs().max()) < V * 2.0 ** -24  # fp32 sums of terms <= 1
     p = torch.rand(3, 5000)
-    assert torch.equal(decoder._cumsum(p), p.cumsum(-1))
+    assert torch.equal(decoder._cumsum(p), p.cumsum(-1))  # CPU: the plain scan
+
+
+def test_project_refuses_layouts_it_cannot_read():
+    x = torch.zeros(2, 8, dtype=torch.float16)
+    w = torch.zeros(8, 6, dtype=torch.float16).t()  # [6, 8], not contiguous
+    with pytest.raises(RuntimeError, match="w must be"):
+        kernels.project(x, w, None, None, None, 1e-5, False)
+    with pytest.raises(RuntimeError, match="resid must be"):
+        kernels.project(x, w.contiguous(), None, None, torch.zeros(2, 5, dtype=torch.float16), 1e-5, False)

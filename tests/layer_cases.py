@@ -10,7 +10,7 @@ from stages.blocks import decoder
 
 
 def compare(device: str, dtype, B: int = 3, H: int = 4, KV: int = 2, D: int = 16, I: int = 96, L: int = 12,
-            qwen3: bool = False, bias: bool = False, seed: int = 0) -> dict:
+            qwen3: bool = False, bias: bool = False, seed: int = 0, float_mask: bool = False) -> dict:
     """Both layers over the same state (a cache with 7 live positions, one new token per sequence):
     the largest difference of the residual stream they hand on and of the cache they write, each
     over the largest magnitude there."""
@@ -33,6 +33,8 @@ def compare(device: str, dtype, B: int = 3, H: int = 4, KV: int = 2, D: int = 16
     cos, sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
     slots = torch.tensor([7], device=device)
     mask = (torch.arange(L, device=device) <= 7)[None, None, None].expand(B, 1, 1, L)
+    if float_mask:  # as the engine's decode step hands it (then fused_layer takes decode_attention)
+        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, float("-inf"))
     args = (w, None, cos, sin, mask, slots, H, KV, D, 1e-5, F.silu)
     kv_a, kv_b = kv.clone(), kv.clone()
     xa, ma = decoder.layer(x, r, args[0], kv_a, *args[2:])
@@ -42,3 +44,22 @@ def compare(device: str, dtype, B: int = 3, H: int = 4, KV: int = 2, D: int = 16
     return {"stream": float((a - b).abs().max() / a.abs().max()),
             "cache": float((kv_a.float() - kv_b.float()).abs().max() / kv_a.float().abs().max()),
             "eps": torch.finfo(dtype).eps}
+
+
+def attention(device: str, dtype, B: int = 3, H: int = 6, KV: int = 2, D: int = 16, L: int = 40, seed: int = 0) -> dict:
+    """kernels.decode_attention against SDPA computed in fp32 from the same inputs, rounded once: the
+    output is a convex combination of V's rows, and both sides compute it in fp32 (errors ~L 2**-24
+    of max |v|), so after rounding they differ by at most one ulp of max |v| (eps * max |v|)."""
+    from stages.blocks import kernels
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, 1, D, generator=g).to(device, dtype)
+    kv = torch.randn(2, B, KV, L, D, generator=g).to(device, dtype)
+    live = torch.tensor([L // 2, L - 1, 3][:B] + [L - 1] * max(0, B - 3), device=device)  # keys <= live[b] attended
+    keep = torch.arange(L, device=device)[None, :] <= live[:, None]
+    mask = torch.zeros(B, 1, 1, L, dtype=dtype, device=device).masked_fill(~keep[:, None, None], float("-inf"))
+    got = kernels.decode_attention(q, kv, mask).float()
+    ref = F.scaled_dot_product_attention(q.float(), kv[0].float(), kv[1].float(), attn_mask=mask.float(),
+                                         enable_gqa=KV != H).to(dtype).float()
+    return {"diff": float((got - ref).abs().max()), "bound": torch.finfo(dtype).eps * float(kv[1].float().abs().max()),
+            "share": float((got != ref).float().mean())}

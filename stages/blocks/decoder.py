@@ -198,7 +198,9 @@ def fused_layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
     """`layer` for a decode step of at most kernels.MAX_ROWS rows on CUDA (kernels.usable): four
     `kernels.project` launches do the projections with the RMSNorms, the SiLU gate and the residual
     adds folded in, and for one new token per row `kernels.rope_cache` does what `attend` does
-    before SDPA (per-head norms, rotary, the cache writes): no kernel is left for Inductor, so the
+    before SDPA (per-head norms, rotary, the cache writes) and, with the decode step's float mask
+    and a cache that fits one program (kernels.attention_fits), `kernels.decode_attention` does
+    SDPA's work: no kernel is left for Inductor, so the
     engine runs it uncompiled (docs/architecture.md, "fused decode projections"). Every residual add
     happens inside a projection, so r stays `forward`'s zeros and is handed on as it came (the choice
     is by shape and dtype, the same for every layer of a forward). Other inputs: `layer`."""
@@ -209,7 +211,10 @@ def fused_layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
     qkv = kernels.project(x, w["qkv"], w["ln1"], w["qkv_bias"], None, eps, False)  # [B*T, (H+2KV)*D]
     if T == 1:
         q = kernels.rope_cache(qkv, cos, sin, w["q_norm"], w["k_norm"], kv, slots, H, KV, eps)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, enable_gqa=KV != H)
+        if mask.is_floating_point() and kernels.attention_fits(kv.shape[3], D):
+            o = kernels.decode_attention(q, kv, mask)  # [B, H, 1, D]
+        else:
+            o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, enable_gqa=KV != H)
         o = o.transpose(1, 2).reshape(B * T, H * D)
     else:
         o = attend(qkv.view(B, T, H + 2 * KV, D), w, kv, cos, sin, mask, slots, H, KV, D, eps).reshape(B * T, H * D)

@@ -42,6 +42,8 @@ SLAB = 2048
 # (TRITON_DEFAULT_FP_FUSION changes it today): pinned, as every measurement so far ran it (on).
 FP_FUSION = True
 PER_ROW = False  # dc11211's row loop (a branch and a store per row); benchmarks/decode_kernels.py ':pr'
+ATTENTION = True  # decode_attention where its tile fits (ATTN_TILE); False: SDPA (decode_kernels ':sdpa')
+ATTN_TILE = 16384  # cache positions (padded to a power of two) x head dim that one program holds
 WARPS = None  # warps per program; None: one, and one more per 4,096 elements past that (wide K)
 
 
@@ -154,6 +156,27 @@ if triton is not None:
             tl.store(dst + D // 2 + d, x2)
 
 
+    @triton.jit
+    def _decode_attention(Q, KV, MASK, O, scale, L, s_kvc, s_kvb, s_kvh, s_kvl, s_mb,
+                          H: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, LP: tl.constexpr):
+        # program (b, g): the H // NKV query heads of row b that share kv head g, over all L cache
+        # positions at once (K and V [LP, D] held whole: every load in flight together); fp32 softmax
+        b, g = tl.program_id(0), tl.program_id(1)
+        rl, rd = tl.arange(0, LP), tl.arange(0, D)
+        lm = rl < L
+        base = KV + b * s_kvb + g * s_kvh + rl[:, None] * s_kvl + rd[None, :]
+        k = tl.load(base, mask=lm[:, None], other=0.0)  # [LP, D], kept in the compute dtype (registers)
+        v = tl.load(base + s_kvc, mask=lm[:, None], other=0.0)
+        bias = tl.load(MASK + b * s_mb + rl, mask=lm, other=float("-inf")).to(tl.float32)  # 0 or -inf
+        for i in tl.static_range(H // NKV):
+            h = g * (H // NKV) + i
+            q = tl.load(Q + (b * H + h) * D + rd).to(tl.float32)  # [D]
+            sc = tl.sum(k.to(tl.float32) * q[None, :], 1) * scale + bias  # [LP]
+            p = tl.exp(sc - tl.max(sc, 0))
+            o = tl.sum(p[:, None] * v.to(tl.float32), 0) / tl.sum(p, 0)  # [D]
+            tl.store(O + (b * H + h) * D + rd, o.to(O.dtype.element_ty))
+
+
 def _launch(x, w, norm_w, bias, resid, eps, glu, out):
     M, K = x.shape
     N = w.shape[0] // 2 if glu else w.shape[0]
@@ -217,3 +240,30 @@ def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: 
 @rope_cache.register_fake
 def _(qkv, cos, sin, q_norm, k_norm, kv, slots, n_heads, n_kv, eps):
     return qkv.new_empty((qkv.shape[0], n_heads, 1, qkv.shape[1] // (n_heads + 2 * n_kv)))
+
+
+def attention_fits(L: int, D: int) -> bool:
+    """Whether `decode_attention` holds a cache of L positions with head dim D in one program."""
+    return ATTENTION and triton is not None and triton.next_power_of_2(L) * D <= ATTN_TILE
+
+
+@torch.library.custom_op("opd::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA for one new token per row over one layer's cache: q [B, H, 1, D] contiguous, kv
+    [2, B, KV, L, D] (the layer's cache, contiguous in D), mask [B, 1, 1, L] additive (0 attended,
+    -inf not; every row attends at least one position). Returns [B, H, 1, D]. One kernel where
+    SDPA (cuDNN) took ~6 us per layer at batch 4 on the H200 (2026-12-01 profile)."""
+    B, H, _, D = q.shape
+    KV, L = kv.shape[2], kv.shape[3]
+    torch._check(mask.dtype.is_floating_point and mask.shape[-1] == L, lambda: "decode_attention: additive mask [B, 1, 1, L]")
+    m = mask.reshape(B, L)
+    out = torch.empty_like(q)
+    _decode_attention[(B, KV)](q, kv, m, out, D ** -0.5, L, kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+                               m.stride(0), H=H, NKV=KV, D=D, LP=triton.next_power_of_2(L),
+                               num_warps=4 if triton.next_power_of_2(L) * D <= 8192 else 8, enable_fp_fusion=FP_FUSION)
+    return out
+
+
+@decode_attention.register_fake
+def _(q, kv, mask):
+    return torch.empty_like(q)

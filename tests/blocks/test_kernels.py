@@ -27,8 +27,9 @@ kernels.usable = lambda rows, dtype, device, act: True  # (CPU tensors: the inte
 def runs(seeds):
     return [kernel_cases.check(kernels.project, "cpu", torch.float16, kernel_cases.CPU_SHAPES, s) for s in seeds]
 out = {"project": runs(range(3)),
-       "layer": [layer_cases.compare("cpu", torch.float16, qwen3=q, bias=b, seed=s)
-                 for s, (q, b) in enumerate([(False, False), (True, False), (False, True)])]}
+       "layer": [layer_cases.compare("cpu", torch.float16, qwen3=q, bias=b, seed=s, float_mask=f)
+                 for s, (q, b, f) in enumerate([(False, False, False), (True, False, True), (False, True, True)])],
+       "attention": [layer_cases.attention("cpu", torch.float16, seed=s) for s in range(3)]}
 kernels.PER_ROW = True  # the row loop of dc11211's kernel (benchmarks/decode_kernels.py compares them)
 out["per_row"] = runs(range(1))
 print(json.dumps(out))
@@ -60,6 +61,11 @@ def test_fused_layer_matches_layer(interpreted):
     for row in interpreted["layer"]:
         assert row["stream"] <= 8 * row["eps"], row
         assert row["cache"] <= 8 * row["eps"], row
+
+
+def test_decode_attention_within_one_ulp_of_sdpa(interpreted):
+    for row in interpreted["attention"]:
+        assert row["diff"] <= row["bound"] and row["share"] < 0.05, row
 
 
 def test_cpu_decoding_never_takes_the_kernels():

@@ -59,3 +59,26 @@ def test_compiled_decode_step_launches_the_kernels():
     assert eng.compile and any("_project" in n for n in names), sorted(names)[:40]
     b = eng.generate(PROMPTS, 8, eos=2, pad=2, seed=3)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_fast_step_over_in_place_weights_samples_what_the_copy_does():
+    """memory.merge_in_place with the decode kernels: the weights are views into the flat buffer
+    (decoder.fuse_projections), the same values as the copy's merged tensors, and each kernel sums
+    in a fixed order, so both engines sample the same tokens and log-probs, bit for bit; also at
+    kernels.MAX_ROWS rows and one past it (where the compiled cuBLAS layer takes over)."""
+    from stages.blocks import decoder
+
+    def model(fused):
+        torch.manual_seed(0)
+        m = tiny(initializer_range=0.05).to("cuda", torch.bfloat16)
+        if fused:
+            decoder.fuse_projections(m)
+        return with_trained_lora(m, scale=0.02)
+
+    copy, inplace = model(False), model(True)
+    for rows in (3, kernels.MAX_ROWS, kernels.MAX_ROWS + 1):
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(rows)]
+        a = sampler.Engine(copy, use_graphs=True, compile=True).generate(prompts, 8, eos=2, pad=2, seed=7)
+        e = sampler.Engine(inplace, use_graphs=True, compile=True)
+        b = e.generate(prompts, 8, eos=2, pad=2, seed=7)
+        assert e.compile and torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs), rows

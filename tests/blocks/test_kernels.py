@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.blocks import decoder, kernels
+from stages.blocks import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,8 +63,3 @@ def test_cpu_decoding_never_takes_the_kernels():
     x = torch.zeros(2, 1, 8, dtype=torch.bfloat16)
     assert not kernels.usable(x, torch.nn.functional.silu)  # CPU tensors: the decoder's own layer
     assert not kernels.usable(x.float(), torch.nn.functional.silu)
-
-
-def test_chunked_cumsum_on_cpu_is_the_plain_scan():
-    p = torch.rand(3, 5000)
-    assert torch.equal(decoder._cumsum(p), p.cumsum(-1))

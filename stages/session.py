@@ -268,7 +268,7 @@ class Session:
             s["decode"] = "project+rope+attention"  # stages/blocks/kernels.py's decode kernels (2026-12-02)
         if self.device.type == "cuda":
             s["draw"] = "chunked-cdf"  # the draw's CDF scanned in chunks on CUDA (decoder._cumsum), since 2026-12-02
-        if self.device.type == "cuda":  # teacher-forced forwards in the padded layout (stages/blocks/graphs.py),
+            # teacher-forced forwards in the padded layout (stages/blocks/graphs.py),
             s["forwards"] = f"padded-to-{self.forward_length()}"  # replayed from graphs for these roles (cuBLAS may
             g = sorted(phases.graphed_roles(self.cfg, "cuda"), reverse=True)  # ["student", "teacher"] as before
             if g:  # choose another algorithm under capture: graph and eager need not agree to the bit)

@@ -38,9 +38,8 @@ def compare(device: str, dtype, B: int = 3, H: int = 4, KV: int = 2, D: int = 16
     args = (w, None, cos, sin, mask, slots, H, KV, D, 1e-5, F.silu)
     kv_a, kv_b = kv.clone(), kv.clone()
     xa, ma = decoder.layer(x, r, args[0], kv_a, *args[2:])
-    xb, rb = decoder.fused_layer(x + r, torch.zeros_like(x), args[0], kv_b, *args[2:])
+    xb, _ = decoder.fused_layer(x + r, torch.zeros_like(x), args[0], kv_b, *args[2:])
     a, b = (xa + ma).float(), xb.float()  # (the next layer adds them in the compute dtype)
-    assert not rb.any()  # the fused layer hands forward's zeros on
     return {"stream": float((a - b).abs().max() / a.abs().max()),
             "cache": float((kv_a.float() - kv_b.float()).abs().max() / kv_a.float().abs().max()),
             "eps": torch.finfo(dtype).eps}

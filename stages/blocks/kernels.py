@@ -15,11 +15,12 @@ Rounding follows the eager decode layer (decoder.layer): RMSNorm in fp32 rounded
 dtype, then scaled by its weight in that dtype; the matmul accumulates in fp32 and is rounded once;
 silu(gate) and its product with up are rounded as eager rounds them; the residual add is done on the
 rounded product (except with glu and resid together, which the decoder never asks for: Triton's FP
-fusion makes product and add one bf16 FMA there, one rounding; tests/kernel_cases.py). Each output element is reduced by one program in a fixed order: deterministic.
+fusion makes product and add one bf16 FMA there, one rounding; tests/kernel_cases.py). Each output
+element is reduced by one program in a fixed order: deterministic.
 
 A torch custom op (`opd::project`), so that torch.compile keeps it whole inside the compiled decode
-layer and CUDA graph capture records its launch. Without Triton (CPU builds of torch) `available()`
-is false and the decoder keeps its cuBLAS path.
+layer and CUDA graph capture records its launch. Without Triton (CPU builds of torch) `usable` is
+false and the decoder keeps its cuBLAS path.
 """
 from __future__ import annotations
 

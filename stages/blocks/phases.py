@@ -76,7 +76,7 @@ class Ctx:
 
 def in_place(x: Ctx) -> bool:
     """memory.merge_in_place takes effect: the engine samples from the student's own weights."""
-    return x.engine and x.cfg.student.quant == "none" and getattr(x.cfg.memory, "merge_in_place", False)
+    return x.engine and x.cfg.student.quant == "none" and x.cfg.memory.merge_in_place
 
 
 def workload(x: Ctx) -> dict:

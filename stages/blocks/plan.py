@@ -25,7 +25,7 @@ BASE_KEYS = ("name", "revision", "init", "keep_layers", "quant", "double_quant",
 
 def refusal(cfg, placement: str) -> str | None:
     """Why `placement` cannot run this config (None: it can). Weight-free."""
-    if placement in ("swap", "shared_backbone") and getattr(cfg.memory, "merge_in_place", False):
+    if placement in ("swap", "shared_backbone") and cfg.memory.merge_in_place:
         return (f"memory.placement={placement} with memory.merge_in_place=true: "
                 + ("swap moves the student to host memory and back, which would undo its weights' fused layout"
                    if placement == "swap" else "the teacher reads the student's base while a rollout has "
@@ -129,13 +129,18 @@ def _set(cfg, dotted: str, value):
     setattr(obj, last, value)
 
 
+def _could_merge_in_place(cfg) -> bool:
+    """memory.merge_in_place is off and could be turned on (it needs an unquantized student)."""
+    return cfg.student.quant == "none" and not cfg.memory.merge_in_place
+
+
 def _variants(cfg):
     """Groups of single changes that lower the peak, most specific first: (label, [(key, value)])."""
     if cfg.memory.placement != "auto":
         yield "placement", [[("memory.placement", p)] for p in PLACEMENTS if p != cfg.memory.placement]
     if not getattr(cfg.train, "activation_checkpointing", True):
         yield "checkpointing", [[("train.activation_checkpointing", True)]]
-    if cfg.student.quant == "none" and not getattr(cfg.memory, "merge_in_place", True):
+    if _could_merge_in_place(cfg):
         yield "in_place", [[("memory.merge_in_place", True)]]
     chunks, c = [], cfg.train.chunk // 2
     while c >= max(1, cfg.memory.chunk_floor):
@@ -144,7 +149,7 @@ def _variants(cfg):
     yield "chunk", chunks
     q = [[(f"{role}.quant", "nf4")] for role in ("student", "teacher")  # (an NF4 student is not merged in place)
          if getattr(cfg, role).quant == "none" and _bitsandbytes()
-         and not (role == "student" and getattr(cfg.memory, "merge_in_place", False))]
+         and not (role == "student" and cfg.memory.merge_in_place)]
     yield "quant", q + ([q[0] + q[1]] if len(q) == 2 else [])
     bs, b = [], cfg.rollout.batch_size // 2
     while b >= 1:
@@ -264,7 +269,7 @@ def estimate(cfg, shapes: dict | None = None) -> dict:
             # merging in place drops the engine's copy (4% there): the first of these that fits
             ck, ip = ("train.activation_checkpointing", True), ("memory.merge_in_place", True)
             can_ck = not cfg.train.activation_checkpointing
-            can_ip = cfg.student.quant == "none" and not cfg.memory.merge_in_place
+            can_ip = _could_merge_in_place(cfg)
             tries = [c for c, ok in (([ck], can_ck), ([ip], can_ip), ([ck, ip], can_ck and can_ip)) if ok]
             gain = {ck: "the checkpointed update replays a captured graph", ip: "the engine keeps no merged copy"}
             for changes in tries:

@@ -198,12 +198,12 @@ def fused_layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
     """`layer` for a decode step of at most kernels.MAX_ROWS rows on CUDA (kernels.usable): four
     `kernels.project` launches do the projections with the RMSNorms, the SiLU gate and the residual
     adds folded in, and for one new token per row `kernels.rope_cache` does what `attend` does
-    before SDPA (per-head norms, rotary, the cache writes) and, with the decode step's float mask
-    and a cache that fits one program (kernels.attention_fits), `kernels.decode_attention` does
-    SDPA's work: no kernel is left for Inductor, so the
-    engine runs it uncompiled (docs/architecture.md, "fused decode projections"). Every residual add
-    happens inside a projection, so r stays `forward`'s zeros and is handed on as it came (the choice
-    is by shape and dtype, the same for every layer of a forward). Other inputs: `layer`."""
+    before SDPA (per-head norms, rotary, the cache writes) and, with the float mask `forward` makes
+    on CUDA and a cache that fits one program (kernels.attention_fits), `kernels.decode_attention`
+    does SDPA's work: no kernel is left for Inductor, so the engine runs it uncompiled (docs/architecture.md, "fused decode projections"). Every residual add
+    happens inside a projection, so it reads no r (forward's zeros at the first layer) and returns
+    None for it (the choice is by shape and dtype, the same for every layer of a forward). Other
+    inputs: `layer`."""
     B, T, E = x.shape
     if not kernels.usable(B * T, x.dtype, x.device, act):
         return layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act)
@@ -220,7 +220,7 @@ def fused_layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
         o = attend(qkv.view(B, T, H + 2 * KV, D), w, kv, cos, sin, mask, slots, H, KV, D, eps).reshape(B * T, H * D)
     x = kernels.project(o, w["o_proj"], None, None, x, eps, False)  # x + o @ Wo.T
     a = kernels.project(x, w["gate_up"], w["ln2"], None, None, eps, True)  # silu(gate) * up [B*T, I]
-    return kernels.project(a, w["down_proj"], None, None, x, eps, False).view(B, T, E), r
+    return kernels.project(a, w["down_proj"], None, None, x, eps, False).view(B, T, E), None
 
 
 _COMPILED = None
@@ -253,8 +253,8 @@ def forward(W, ids, pos, cache, slots, key_valid, layer=layer):
     """One forward over T new tokens per sequence, writing their K/V into the static cache.
 
     ids [B, T]; pos [B, T] rotary positions; cache [n_layers, 2, B, n_kv, L, D] (`new_cache`);
-    slots [T] cache slots for the new tokens; key_valid [B, T, L] bool, or the additive float mask
-    SDPA would make of it (0 attended, -inf not; the decode step makes it once, not every layer). Returns hidden [B, T, H].
+    slots [T] cache slots for the new tokens; key_valid [B, T, L] bool (on CUDA made into the additive
+    mask SDPA would make of it, once for every layer) or such a mask. Returns hidden [B, T, H].
     """
     dt = W["dtype"]
     x = F.embedding(ids, W["embed"])
@@ -263,11 +263,13 @@ def forward(W, ids, pos, cache, slots, key_valid, layer=layer):
     cos = (emb.cos() * W["rope_scale"]).to(dt)[:, None]  # [B, 1, T, D]
     sin = (emb.sin() * W["rope_scale"]).to(dt)[:, None]
     mask = key_valid[:, None]  # [B, 1, T, L]
+    if mask.dtype == torch.bool and mask.is_cuda:  # the additive mask SDPA would make of it: once, not per layer
+        mask = torch.zeros(mask.shape, dtype=dt, device=mask.device).masked_fill_(~mask, float("-inf"))
     act = activation(W)
     r = torch.zeros_like(x)
     for i, w in enumerate(W["layers"]):
         x, r = layer(x, r, w, cache[i], cos, sin, mask, slots, W["n_heads"], W["n_kv"], W["head_dim"], W["eps"], act)
-    return rms(x + r, W["norm"], W["eps"])
+    return rms(x if r is None else x + r, W["norm"], W["eps"])  # (fused_layer: no MLP output left to add)
 
 
 def _cumsum(p, chunk: int = 1024):

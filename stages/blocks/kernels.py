@@ -178,23 +178,6 @@ if triton is not None:
             tl.store(O + (b * H + h) * D + rd, o.to(O.dtype.element_ty))
 
 
-def _launch(x, w, norm_w, bias, resid, eps, glu, out):
-    M, K = x.shape
-    N = w.shape[0] // 2 if glu else w.shape[0]
-    KP = triton.next_power_of_2(K)
-    per = SLAB // (2 if glu else 1)  # (read at each launch: benchmarks/decode_kernels.py varies it)
-    block_n = max(1, min(64, per // KP))
-    block_n = 1 << (block_n.bit_length() - 1)  # a power of two
-    dummy = x  # (pointer arguments a flag leaves unread)
-    _project[(triton.cdiv(N, block_n),)](
-        x, norm_w if norm_w is not None else dummy, w, bias if bias is not None else dummy,
-        resid if resid is not None else dummy, out, M, N, K, eps,
-        x.stride(0), out.stride(0), resid.stride(0) if resid is not None else 0,
-        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, KP=KP,
-        NORM=norm_w is not None, GLU=glu, HAS_BIAS=bias is not None, RESID=resid is not None, PER_ROW=PER_ROW,
-        num_warps=WARPS or max(1, block_n * KP * (2 if glu else 1) // 4096), enable_fp_fusion=FP_FUSION)
-
-
 @torch.library.custom_op("opd::project", mutates_args=())
 def project(x: torch.Tensor, w: torch.Tensor, norm_w: torch.Tensor | None, bias: torch.Tensor | None,
             resid: torch.Tensor | None, eps: float, glu: bool) -> torch.Tensor:
@@ -208,8 +191,21 @@ def project(x: torch.Tensor, w: torch.Tensor, norm_w: torch.Tensor | None, bias:
     for t, n in ((norm_w, K), (bias, w.shape[0])):
         torch._check(t is None or (t.shape == (n,) and t.is_contiguous()), lambda: "project: norm_w [K] / bias [w rows]")
     torch._check(resid is None or tuple(resid.shape) == (M, N), lambda: "project: resid must be [M, N]")
+    x = x.contiguous()
+    resid = None if resid is None else resid.contiguous()
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    _launch(x.contiguous(), w, norm_w, bias, None if resid is None else resid.contiguous(), eps, glu, out)
+    KP = triton.next_power_of_2(K)
+    per = SLAB // (2 if glu else 1)  # (read at each launch: benchmarks/decode_kernels.py varies it)
+    block_n = max(1, min(64, per // KP))
+    block_n = 1 << (block_n.bit_length() - 1)  # a power of two
+    dummy = x  # (pointer arguments a flag leaves unread)
+    _project[(triton.cdiv(N, block_n),)](
+        x, norm_w if norm_w is not None else dummy, w, bias if bias is not None else dummy,
+        resid if resid is not None else dummy, out, M, N, K, eps,
+        x.stride(0), out.stride(0), resid.stride(0) if resid is not None else 0,
+        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, KP=KP,
+        NORM=norm_w is not None, GLU=glu, HAS_BIAS=bias is not None, RESID=resid is not None, PER_ROW=PER_ROW,
+        num_warps=WARPS or max(1, block_n * KP * (2 if glu else 1) // 4096), enable_fp_fusion=FP_FUSION)
     return out
 
 

@@ -215,8 +215,6 @@ class Engine:
         B = st["tok"].shape[0]
         slot, k = st["slot"], st["step"]
         valid = ((st["keys"][None, :] >= st["pad_len"][:, None]) & (st["keys"][None, :] <= slot))[:, None]
-        if valid.is_cuda:  # the additive mask SDPA makes of a bool one, made once per step, not per layer
-            valid = torch.zeros(valid.shape, dtype=W["dtype"], device=valid.device).masked_fill_(~valid, float("-inf"))
         h = decoder.forward(W, st["tok"][:, None], (slot - st["pad_len"])[:, None], st["kv"], slot, valid,
                             self._decode_layer(B))
         logits = F.linear(h[:, 0], W["head"])

@@ -6,8 +6,9 @@ replayed, per variant of stages/blocks/decoder.py:
   compiled   the layer through torch.compile, cuBLAS matmuls, SDPA (the engine's default until 2026-12-02)
   kernels    decoder.fused_layer uncompiled, the float mask below (the engine's default since the
              rotary kernel): each projection and the rotary/cache write one Triton kernel, no Inductor;
-             takes the options of `fused` below (kernels:pr = with dc11211's row loop; kernels:sdpa =
-             SDPA instead of kernels.decode_attention)
+             takes the options of `fused` below (kernels:pr = with dc11211's row loop, the default
+             since 2026-12-02's run; kernels:tile = every row loaded up front as one tile;
+             kernels:sdpa = SDPA instead of kernels.decode_attention)
   fused      decoder.fused_layer through torch.compile (the engine's default at dc11211): the projections
              as stages/blocks/kernels.py's `project` launches, RMSNorm, SiLU gate and residual adds
              folded in. Options after colons: fused:w1:s2048:fm = one warp per program (kernels.WARPS),
@@ -141,9 +142,9 @@ def _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, 
         opts = v.split(":")[1:]
         st["float_mask"] = v.startswith(("floatmask", "kernels")) or "fm" in opts
         if v.startswith(("fused", "kernels")):  # the kernels' settings, read at capture
-            kernels.SLAB = next((int(o[1:]) for o in opts if o[0] == "s"), SLAB)
-            kernels.WARPS = next((int(o[1:]) for o in opts if o[0] == "w"), WARPS)
-            kernels.PER_ROW = "pr" in opts
+            kernels.SLAB = next((int(o[1:]) for o in opts if o[0] == "s" and o[1:].isdigit()), SLAB)
+            kernels.WARPS = next((int(o[1:]) for o in opts if o[0] == "w" and o[1:].isdigit()), WARPS)
+            kernels.PER_ROW = "pr" in opts or (PER_ROW and "tile" not in opts)
             kernels.ATTENTION = "sdpa" not in opts
         if v.startswith("kernels"):
             fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, decoder.fused_layer))  # noqa: E731

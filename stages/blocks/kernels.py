@@ -42,7 +42,11 @@ SLAB = 2048
 # Triton's FP fusion (mul + add as one FMA) changes bytes, and its default is to flip in Triton 3.10
 # (TRITON_DEFAULT_FP_FUSION changes it today): pinned, as every measurement so far ran it (on).
 FP_FUSION = True
-PER_ROW = False  # dc11211's row loop (a branch and a store per row); benchmarks/decode_kernels.py ':pr'
+# dc11211's row loop (each row loaded, reduced and stored in turn) measured faster than loading every
+# row up front as one tile (rows then taken out of the tile by a masked sum across lanes): 1.207 ms
+# per decode step against 1.240 on the H200 (results/2026-12-02-h200-438257d-decode-kernels.md).
+# False: the tile (benchmarks/decode_kernels.py ':tile').
+PER_ROW = True
 ATTENTION = True  # decode_attention where its tile fits (ATTN_TILE); False: SDPA (decode_kernels ':sdpa')
 ATTN_TILE = 16384  # cache positions (padded to a power of two) x head dim that one program holds
 WARPS = None  # warps per program; None: one, and one more per 4,096 elements past that (wide K)

@@ -30,8 +30,8 @@ out = {"project": runs(range(3)),
        "layer": [layer_cases.compare("cpu", torch.float16, qwen3=q, bias=b, seed=s, float_mask=f)
                  for s, (q, b, f) in enumerate([(False, False, False), (True, False, True), (False, True, True)])],
        "attention": [layer_cases.attention("cpu", torch.float16, seed=s) for s in range(3)]}
-kernels.PER_ROW = True  # the row loop of dc11211's kernel (benchmarks/decode_kernels.py compares them)
-out["per_row"] = runs(range(1))
+kernels.PER_ROW = False  # the tile loads (benchmarks/decode_kernels.py ':tile' compares them)
+out["tile"] = runs(range(1))
 print(json.dumps(out))
 """
 
@@ -46,7 +46,7 @@ def interpreted():
 
 
 def test_project_within_its_derived_bounds(interpreted):
-    for run in interpreted["project"] + interpreted["per_row"]:  # (per_row: kernels.PER_ROW's row loop)
+    for run in interpreted["project"] + interpreted["tile"]:  # (tile: kernels.PER_ROW off)
         assert run["bad"] == [], run
         # every flag combination the decoder uses, at several programs per matrix
         assert {lbl.split(" ", 1)[1] for lbl in run["cases"]} == {

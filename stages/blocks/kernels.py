@@ -44,7 +44,7 @@ SLAB = 2048
 FP_FUSION = True
 # dc11211's row loop (each row loaded, reduced and stored in turn) measured faster than loading every
 # row up front as one tile (rows then taken out of the tile by a masked sum across lanes): 1.207 ms
-# per decode step against 1.240 on the H200 (results/2026-12-02-h200-438257d-decode-kernels.md).
+# per decode step against 1.240 on the H200 (results/2026-12-02-h200-438257d-decode-kernels.log).
 # False: the tile (benchmarks/decode_kernels.py ':tile').
 PER_ROW = True
 ATTENTION = True  # decode_attention where its tile fits (ATTN_TILE); False: SDPA (decode_kernels ':sdpa')

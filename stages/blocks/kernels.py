@@ -50,6 +50,23 @@ PER_ROW = True
 ATTENTION = True  # decode_attention where its tile fits (ATTN_TILE); False: SDPA (decode_kernels ':sdpa')
 ATTN_TILE = 16384  # cache positions (padded to a power of two) x head dim that one program holds
 WARPS = None  # warps per program; None: one, and one more per 4,096 elements past that (wide K)
+# Programmatic dependent launch (Hopper and later, `pdl`): each kernel of the decode layer is launched
+# while the one before it still runs, issues the loads that do not depend on it (the weights: nothing
+# in a decode step writes them), then waits for it (griddepcontrol.wait) before reading activations.
+# False: plain launches (benchmarks/decode_kernels.py ':nopdl').
+PDL = True
+
+
+def pdl(device) -> bool:
+    """Whether launches on `device` take programmatic dependent launch: PDL on and compute capability
+    9.0 or later (griddepcontrol is a Hopper instruction; older GPUs launch plainly).
+
+    Safe because every kernel of ours launched so waits (gdc_wait) before it reads anything the
+    kernel before it writes, and before it writes anything, and lets its successor launch only after
+    that wait: a kernel then starts only once everything before its predecessor has completed, and
+    its own stores land after its predecessor's. Torch's kernels between ours launch plainly (they
+    wait for full completion, as always)."""
+    return PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def usable(rows: int, dtype, device, act) -> bool:
@@ -63,7 +80,7 @@ if triton is not None:
     def _project(X, NW, W, BIAS, R, Y, M, N, K, eps, sx, sy, sr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr,
                  NORM: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, RESID: tl.constexpr,
-                 PER_ROW: tl.constexpr):
+                 PER_ROW: tl.constexpr, PDL: tl.constexpr):
         # program: output columns [n0, n0 + BLOCK_N) of every row; W [N (x2 with GLU), K] row-major
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         rk = tl.arange(0, KP)  # [KP], K padded to a power of two (masked lanes fetch nothing)
@@ -78,6 +95,9 @@ if triton is not None:
             b = tl.load(BIAS + rn, mask=nm, other=0.0).to(tl.float32)
             if GLU:
                 b2 = tl.load(BIAS + N + rn, mask=nm, other=0.0).to(tl.float32)
+        if PDL:  # the weights above are loaded while the kernel before still runs; x and resid after it
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         rm = tl.arange(0, BLOCK_M)
         out = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # every row's result, stored once at the end
         if not PER_ROW:  # every input row loaded up front, so that no row's loads wait for another's compute
@@ -128,11 +148,14 @@ if triton is not None:
 
     @triton.jit
     def _rope_cache(QKV, COS, SIN, QN, KN, Q, KV, SLOT, eps, s_qkv, s_cos, s_kvc, s_kvb, s_kvh, s_kvl,
-                    H: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+                    H: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
         # program (b, j): head j of row b's q|k|v [B, (H + 2 NKV) * D]; q heads -> Q [B, H, D],
         # k and v heads -> KV [2, B, NKV, L, D] at the slot SLOT holds (a device scalar: no sync)
         b, j = tl.program_id(0), tl.program_id(1)
         d = tl.arange(0, D // 2)
+        if PDL:  # (everything it reads may come from the kernel before: nothing to load ahead)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         src = QKV + b * s_qkv + j * D
         x1, x2 = tl.load(src + d), tl.load(src + D // 2 + d)  # the head's two halves
         dt = x1.dtype
@@ -163,12 +186,16 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention(Q, KV, MASK, O, scale, L, s_kvc, s_kvb, s_kvh, s_kvl, s_mb,
-                          H: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, LP: tl.constexpr):
+                          H: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, LP: tl.constexpr,
+                          PDL: tl.constexpr):
         # program (b, g): the H // NKV query heads of row b that share kv head g, over all L cache
         # positions at once (K and V [LP, D] held whole: every load in flight together); fp32 softmax
         b, g = tl.program_id(0), tl.program_id(1)
         rl, rd = tl.arange(0, LP), tl.arange(0, D)
         lm = rl < L
+        if PDL:  # q and the newest K/V come from the kernel before
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         base = KV + b * s_kvb + g * s_kvh + rl[:, None] * s_kvl + rd[None, :]
         k = tl.load(base, mask=lm[:, None], other=0.0)  # [LP, D], kept in the compute dtype (registers)
         v = tl.load(base + s_kvc, mask=lm[:, None], other=0.0)
@@ -209,7 +236,8 @@ def project(x: torch.Tensor, w: torch.Tensor, norm_w: torch.Tensor | None, bias:
         x.stride(0), out.stride(0), resid.stride(0) if resid is not None else 0,
         BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, KP=KP,
         NORM=norm_w is not None, GLU=glu, HAS_BIAS=bias is not None, RESID=resid is not None, PER_ROW=PER_ROW,
-        num_warps=WARPS or max(1, block_n * KP * (2 if glu else 1) // 4096), enable_fp_fusion=FP_FUSION)
+        PDL=(p := pdl(x.device)), num_warps=WARPS or max(1, block_n * KP * (2 if glu else 1) // 4096),
+        enable_fp_fusion=FP_FUSION, launch_pdl=p)
     return out
 
 
@@ -234,7 +262,8 @@ def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: 
     _rope_cache[(B, n_heads + 2 * n_kv)](
         qkv, cos, sin, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, q, kv, slots,
         eps, qkv.stride(0), cos.stride(0), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        H=n_heads, NKV=n_kv, D=D, NORM=q_norm is not None, num_warps=1, enable_fp_fusion=FP_FUSION)
+        H=n_heads, NKV=n_kv, D=D, NORM=q_norm is not None, PDL=(p := pdl(qkv.device)), num_warps=1,
+        enable_fp_fusion=FP_FUSION, launch_pdl=p)
     return q
 
 
@@ -260,8 +289,9 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> t
     m = mask.reshape(B, L)
     out = torch.empty_like(q)
     _decode_attention[(B, KV)](q, kv, m, out, D ** -0.5, L, kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-                               m.stride(0), H=H, NKV=KV, D=D, LP=triton.next_power_of_2(L),
-                               num_warps=4 if triton.next_power_of_2(L) * D <= 8192 else 8, enable_fp_fusion=FP_FUSION)
+                               m.stride(0), H=H, NKV=KV, D=D, LP=triton.next_power_of_2(L), PDL=(p := pdl(q.device)),
+                               num_warps=4 if triton.next_power_of_2(L) * D <= 8192 else 8, enable_fp_fusion=FP_FUSION,
+                               launch_pdl=p)
     return out
 
 

@@ -82,3 +82,22 @@ def test_fast_step_over_in_place_weights_samples_what_the_copy_does():
         e = sampler.Engine(inplace, use_graphs=True, compile=True)
         b = e.generate(prompts, 8, eos=2, pad=2, seed=7)
         assert e.compile and torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs), rows
+
+
+def test_programmatic_dependent_launch_samples_what_plain_launches_do():
+    """kernels.PDL: each kernel loads its weights while the one before still runs and waits for it
+    before reading activations. A wait in the wrong place would read a half-written row and show
+    as tokens or log-probs that differ from plain launches, or from one replay to the next."""
+    if not kernels.pdl(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 (Hopper) or later")
+    m = with_trained_lora(tiny(initializer_range=0.05), scale=0.02).to("cuda", torch.bfloat16)
+    runs = {}
+    for on in (False, True):
+        kernels.PDL = on  # (read when the decode step is captured)
+        try:
+            eng = sampler.Engine(m, use_graphs=True, compile=True)
+            runs[on] = [eng.generate(PROMPTS, 16, eos=2, pad=2, seed=5) for _ in range(3)]
+        finally:
+            kernels.PDL = True
+    for r in runs[True] + runs[False][1:]:
+        assert torch.equal(r.tokens, runs[False][0].tokens) and torch.equal(r.logprobs, runs[False][0].logprobs)

@@ -8,7 +8,7 @@ replayed, per variant of stages/blocks/decoder.py:
              rotary kernel): each projection and the rotary/cache write one Triton kernel, no Inductor;
              takes the options of `fused` below (kernels:pr = with dc11211's row loop, the default
              since 2026-12-02's run; kernels:tile = every row loaded up front as one tile;
-             kernels:sdpa = SDPA instead of kernels.decode_attention; kernels:nopdl = plain launches,
+             kernels:sdpa = kernels.rope_cache and SDPA instead of kernels.rope_attention; kernels:nopdl = plain launches,
              without programmatic dependent launch, kernels.PDL)
   fused      decoder.fused_layer through torch.compile (the engine's default at dc11211): the projections
              as stages/blocks/kernels.py's `project` launches, RMSNorm, SiLU gate and residual adds

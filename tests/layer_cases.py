@@ -33,7 +33,7 @@ def compare(device: str, dtype, B: int = 3, H: int = 4, KV: int = 2, D: int = 16
     cos, sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
     slots = torch.tensor([7], device=device)
     mask = (torch.arange(L, device=device) <= 7)[None, None, None].expand(B, 1, 1, L)
-    if float_mask:  # as the engine's decode step hands it (then fused_layer takes decode_attention)
+    if float_mask:  # as the engine's decode step hands it (then fused_layer takes rope_attention)
         mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, float("-inf"))
     args = (w, None, cos, sin, mask, slots, H, KV, D, 1e-5, F.silu)
     kv_a, kv_b = kv.clone(), kv.clone()
@@ -45,20 +45,30 @@ def compare(device: str, dtype, B: int = 3, H: int = 4, KV: int = 2, D: int = 16
             "eps": torch.finfo(dtype).eps}
 
 
-def attention(device: str, dtype, B: int = 3, H: int = 6, KV: int = 2, D: int = 16, L: int = 40, seed: int = 0) -> dict:
-    """kernels.decode_attention against SDPA computed in fp32 from the same inputs, rounded once: the
-    output is a convex combination of V's rows, and both sides compute it in fp32 (errors ~L 2**-24
-    of max |v|), so after rounding they differ by at most one ulp of max |v| (eps * max |v|)."""
+def attention(device: str, dtype, B: int = 3, H: int = 6, KV: int = 2, D: int = 16, L: int = 40,
+              qwen3: bool = False, seed: int = 0) -> dict:
+    """kernels.rope_attention against kernels.rope_cache (the same per-head norm and rotary code,
+    so the same q and the same cache writes, which must be equal) followed by SDPA computed in fp32
+    and rounded once: the output is a convex combination of V's rows, and both sides compute it in
+    fp32 (errors ~L 2**-24 of max |v|), so after rounding they differ by at most one ulp of max |v|
+    (eps * max |v|)."""
     from stages.blocks import kernels
 
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, 1, D, generator=g).to(device, dtype)
+    qkv = torch.randn(B, (H + 2 * KV) * D, generator=g).to(device, dtype)
     kv = torch.randn(2, B, KV, L, D, generator=g).to(device, dtype)
+    norms = [(1.0 + 0.3 * torch.randn(D, generator=g)).to(device, dtype) for _ in range(2)] if qwen3 else [None, None]
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    emb = torch.cat([torch.arange(5, 5 + B).float()[:, None] * inv] * 2, dim=-1)  # [B, D]
+    cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+    slots = torch.tensor([3], device=device)  # the new token's slot, attended by every row
     live = torch.tensor([L // 2, L - 1, 3][:B] + [L - 1] * max(0, B - 3), device=device)  # keys <= live[b] attended
     keep = torch.arange(L, device=device)[None, :] <= live[:, None]
     mask = torch.zeros(B, 1, 1, L, dtype=dtype, device=device).masked_fill(~keep[:, None, None], float("-inf"))
-    got = kernels.decode_attention(q, kv, mask).float()
-    ref = F.scaled_dot_product_attention(q.float(), kv[0].float(), kv[1].float(), attn_mask=mask.float(),
-                                         enable_gqa=KV != H).to(dtype).float()
-    return {"diff": float((got - ref).abs().max()), "bound": torch.finfo(dtype).eps * float(kv[1].float().abs().max()),
-            "share": float((got != ref).float().mean())}
+    kv_ref, kv_got = kv.clone(), kv.clone()
+    q = kernels.rope_cache(qkv, cos, sin, *norms, kv_ref, slots, H, KV, 1e-6)  # [B, H, 1, D]
+    got = kernels.rope_attention(qkv, cos, sin, *norms, kv_got, slots, mask, H, KV, 1e-6).float()  # [B, H*D]
+    ref = F.scaled_dot_product_attention(q.float(), kv_ref[0].float(), kv_ref[1].float(), attn_mask=mask.float(),
+                                         enable_gqa=KV != H).to(dtype).float().reshape(B, H * D)
+    return {"diff": float((got - ref).abs().max()), "bound": torch.finfo(dtype).eps * float(kv_ref[1].float().abs().max()),
+            "share": float((got != ref).float().mean()), "cache_equal": bool(torch.equal(kv_ref, kv_got))}

@@ -197,10 +197,10 @@ def layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
 def fused_layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
     """`layer` for a decode step of at most kernels.MAX_ROWS rows on CUDA (kernels.usable): four
     `kernels.project` launches do the projections with the RMSNorms, the SiLU gate and the residual
-    adds folded in, and for one new token per row `kernels.rope_cache` does what `attend` does
-    before SDPA (per-head norms, rotary, the cache writes) and, with the float mask `forward` makes
-    on CUDA and a cache that fits one program (kernels.attention_fits), `kernels.decode_attention`
-    does SDPA's work: no kernel is left for Inductor, so the engine runs it uncompiled (docs/architecture.md, "fused decode projections"). Every residual add
+    adds folded in, and for one new token per row, with the float mask `forward` makes on CUDA and a
+    cache that fits one program (kernels.attention_fits), `kernels.rope_attention` does what `attend`
+    does (per-head norms, rotary, the cache writes, SDPA's work), otherwise `kernels.rope_cache` all of
+    it before SDPA: no kernel is left for Inductor, so the engine runs it uncompiled (docs/architecture.md, "fused decode projections"). Every residual add
     happens inside a projection, so it reads no r (forward's zeros at the first layer) and returns
     None for it (the choice is by shape and dtype, the same for every layer of a forward). Other
     inputs: `layer`."""
@@ -209,12 +209,11 @@ def fused_layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
         return layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act)
     x = x.view(B * T, E)
     qkv = kernels.project(x, w["qkv"], w["ln1"], w["qkv_bias"], None, eps, False)  # [B*T, (H+2KV)*D]
-    if T == 1:
+    if T == 1 and mask.is_floating_point() and kernels.attention_fits(kv.shape[3], D):
+        o = kernels.rope_attention(qkv, cos, sin, w["q_norm"], w["k_norm"], kv, slots, mask, H, KV, eps)  # [B, H*D]
+    elif T == 1:
         q = kernels.rope_cache(qkv, cos, sin, w["q_norm"], w["k_norm"], kv, slots, H, KV, eps)  # [B, H, 1, D]
-        if mask.is_floating_point() and kernels.attention_fits(kv.shape[3], D):
-            o = kernels.decode_attention(q, kv, mask)  # [B, H, 1, D]
-        else:
-            o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, enable_gqa=KV != H)
+        o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, enable_gqa=KV != H)
         o = o.transpose(1, 2).reshape(B * T, H * D)
     else:
         o = attend(qkv.view(B, T, H + 2 * KV, D), w, kv, cos, sin, mask, slots, H, KV, D, eps).reshape(B * T, H * D)

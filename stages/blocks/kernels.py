@@ -47,7 +47,7 @@ FP_FUSION = True
 # per decode step against 1.240 on the H200 (results/2026-12-02-h200-438257d-decode-kernels.log).
 # False: the tile (benchmarks/decode_kernels.py ':tile').
 PER_ROW = True
-ATTENTION = True  # decode_attention where its tile fits (ATTN_TILE); False: SDPA (decode_kernels ':sdpa')
+ATTENTION = True  # rope_attention where its tile fits (ATTN_TILE); False: rope_cache + SDPA (decode_kernels ':sdpa')
 ATTN_TILE = 16384  # cache positions (padded to a power of two) x head dim that one program holds
 WARPS = None  # warps per program; None: one, and one more per 4,096 elements past that (wide K)
 # Programmatic dependent launch (Hopper and later, `pdl`): each kernel of the decode layer is launched
@@ -147,6 +147,21 @@ if triton is not None:
 
 
     @triton.jit
+    def _rotate(x1, x2, NW, c, s, d, eps, D: tl.constexpr, NORM: tl.constexpr):
+        """One head's halves x1, x2 [D // 2] (compute dtype): Qwen3's RMSNorm with weight NW (fp32
+        statistics, normalised row rounded, scaled in the dtype), then rotary with c, s [D // 2] (fp32)
+        in fp32, rounded once (as compiled)."""
+        dt = x1.dtype
+        if NORM:
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            rstd = tl.rsqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / D + eps)
+            x1 = ((f1 * rstd).to(dt).to(tl.float32) * tl.load(NW + d).to(tl.float32)).to(dt)
+            x2 = ((f2 * rstd).to(dt).to(tl.float32) * tl.load(NW + D // 2 + d).to(tl.float32)).to(dt)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        return (f1 * c - f2 * s).to(dt), (f2 * c + f1 * s).to(dt)
+
+
+    @triton.jit
     def _rope_cache(QKV, COS, SIN, QN, KN, Q, KV, SLOT, eps, s_qkv, s_cos, s_kvc, s_kvb, s_kvh, s_kvl,
                     H: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
         # program (b, j): head j of row b's q|k|v [B, (H + 2 NKV) * D]; q heads -> Q [B, H, D],
@@ -158,19 +173,11 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         src = QKV + b * s_qkv + j * D
         x1, x2 = tl.load(src + d), tl.load(src + D // 2 + d)  # the head's two halves
-        dt = x1.dtype
         slot = tl.load(SLOT)
-        if j < H + NKV:  # q or k: Qwen3's per-head RMSNorm, then rotary
-            if NORM:
-                NW = QN if j < H else KN
-                f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-                rstd = tl.rsqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / D + eps)
-                x1 = ((f1 * rstd).to(dt).to(tl.float32) * tl.load(NW + d).to(tl.float32)).to(dt)
-                x2 = ((f2 * rstd).to(dt).to(tl.float32) * tl.load(NW + D // 2 + d).to(tl.float32)).to(dt)
+        if j < H + NKV:  # q or k
             c = tl.load(COS + b * s_cos + d).to(tl.float32)  # cos/sin [B, D]: both halves alike
             s = tl.load(SIN + b * s_cos + d).to(tl.float32)
-            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-            y1, y2 = (f1 * c - f2 * s).to(dt), (f2 * c + f1 * s).to(dt)  # fp32, one rounding (as compiled)
+            y1, y2 = _rotate(x1, x2, QN if j < H else KN, c, s, d, eps, D, NORM)
             if j < H:
                 tl.store(Q + (b * H + j) * D + d, y1)
                 tl.store(Q + (b * H + j) * D + D // 2 + d, y2)
@@ -185,28 +192,46 @@ if triton is not None:
 
 
     @triton.jit
-    def _decode_attention(Q, KV, MASK, O, scale, L, s_kvc, s_kvb, s_kvh, s_kvl, s_mb,
-                          H: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, LP: tl.constexpr,
-                          PDL: tl.constexpr):
-        # program (b, g): the H // NKV query heads of row b that share kv head g, over all L cache
-        # positions at once (K and V [LP, D] held whole: every load in flight together); fp32 softmax
+    def _rope_attention(QKV, COS, SIN, QN, KN, KV, SLOT, MASK, O, scale, eps, L, s_qkv, s_cos, s_kvc, s_kvb,
+                        s_kvh, s_kvl, s_mb, H: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+                        LP: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+        # program (b, g): kv head g of row b and the H // NKV query heads that share it. The new key
+        # (normed, rotated) and value go into KV [2, B, NKV, L, D] at the slot SLOT holds and stand in
+        # for that row of the cache tile read here (so no store has to be visible to a load); then
+        # attention over all L positions at once (K and V [LP, D] held whole: every load in flight
+        # together), fp32 softmax, into O [B, H * D]
         b, g = tl.program_id(0), tl.program_id(1)
-        rl, rd = tl.arange(0, LP), tl.arange(0, D)
+        d, rl, rd = tl.arange(0, D // 2), tl.arange(0, LP), tl.arange(0, D)
         lm = rl < L
-        if PDL:  # q and the newest K/V come from the kernel before
+        if PDL:  # q|k|v comes from the kernel before
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        base = KV + b * s_kvb + g * s_kvh + rl[:, None] * s_kvl + rd[None, :]
-        k = tl.load(base, mask=lm[:, None], other=0.0)  # [LP, D], kept in the compute dtype (registers)
-        v = tl.load(base + s_kvc, mask=lm[:, None], other=0.0)
         bias = tl.load(MASK + b * s_mb + rl, mask=lm, other=float("-inf")).to(tl.float32)  # 0 or -inf
+        slot = tl.load(SLOT)
+        c = tl.load(COS + b * s_cos + d).to(tl.float32)  # cos/sin [B, D]: both halves alike
+        s = tl.load(SIN + b * s_cos + d).to(tl.float32)
+        src = QKV + b * s_qkv
+        k1, k2 = _rotate(tl.load(src + (H + g) * D + d), tl.load(src + (H + g) * D + D // 2 + d), KN, c, s, d, eps, D, NORM)
+        v1, v2 = tl.load(src + (H + NKV + g) * D + d), tl.load(src + (H + NKV + g) * D + D // 2 + d)
+        dst = KV + b * s_kvb + g * s_kvh + slot * s_kvl
+        tl.store(dst + d, k1)
+        tl.store(dst + D // 2 + d, k2)
+        tl.store(dst + s_kvc + d, v1)
+        tl.store(dst + s_kvc + D // 2 + d, v2)
+        base = KV + b * s_kvb + g * s_kvh + rl[:, None] * s_kvl + rd[None, :]
+        new = (rl == slot)[:, None]  # [LP, 1]
+        k = tl.load(base, mask=lm[:, None] & ~new, other=0.0)  # [LP, D], the compute dtype (registers)
+        v = tl.load(base + s_kvc, mask=lm[:, None] & ~new, other=0.0)
+        k = tl.where(new, tl.reshape(tl.permute(tl.join(k1, k2), (1, 0)), (D,))[None, :], k)  # halves joined: [D]
+        v = tl.where(new, tl.reshape(tl.permute(tl.join(v1, v2), (1, 0)), (D,))[None, :], v)
         for i in tl.static_range(H // NKV):
             h = g * (H // NKV) + i
-            q = tl.load(Q + (b * H + h) * D + rd).to(tl.float32)  # [D]
+            q1, q2 = _rotate(tl.load(src + h * D + d), tl.load(src + h * D + D // 2 + d), QN, c, s, d, eps, D, NORM)
+            q = tl.reshape(tl.permute(tl.join(q1, q2), (1, 0)), (D,)).to(tl.float32)  # [D]
             sc = tl.sum(k.to(tl.float32) * q[None, :], 1) * scale + bias  # [LP]
             p = tl.exp(sc - tl.max(sc, 0))
             o = tl.sum(p[:, None] * v.to(tl.float32), 0) / tl.sum(p, 0)  # [D]
-            tl.store(O + (b * H + h) * D + rd, o.to(O.dtype.element_ty))
+            tl.store(O + b * H * D + h * D + rd, o.to(O.dtype.element_ty))
 
 
 @torch.library.custom_op("opd::project", mutates_args=())
@@ -273,28 +298,34 @@ def _(qkv, cos, sin, q_norm, k_norm, kv, slots, n_heads, n_kv, eps):
 
 
 def attention_fits(L: int, D: int) -> bool:
-    """Whether `decode_attention` holds a cache of L positions with head dim D in one program."""
+    """Whether `rope_attention` holds a cache of L positions with head dim D in one program."""
     return ATTENTION and triton is not None and triton.next_power_of_2(L) * D <= ATTN_TILE
 
 
-@torch.library.custom_op("opd::decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """SDPA for one new token per row over one layer's cache: q [B, H, 1, D] contiguous, kv
-    [2, B, KV, L, D] (the layer's cache, contiguous in D), mask [B, 1, 1, L] additive (0 attended,
-    -inf not; every row attends at least one position). Returns [B, H, 1, D]. One kernel where
-    SDPA (cuDNN) took ~6 us per layer at batch 4 on the H200 (2026-12-01 profile)."""
-    B, H, _, D = q.shape
-    KV, L = kv.shape[2], kv.shape[3]
-    torch._check(mask.dtype.is_floating_point and mask.shape[-1] == L, lambda: "decode_attention: additive mask [B, 1, 1, L]")
-    m = mask.reshape(B, L)
-    out = torch.empty_like(q)
-    _decode_attention[(B, KV)](q, kv, m, out, D ** -0.5, L, kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-                               m.stride(0), H=H, NKV=KV, D=D, LP=triton.next_power_of_2(L), PDL=(p := pdl(q.device)),
-                               num_warps=4 if triton.next_power_of_2(L) * D <= 8192 else 8, enable_fp_fusion=FP_FUSION,
-                               launch_pdl=p)
+@torch.library.custom_op("opd::rope_attention", mutates_args=("kv",))
+def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
+                   k_norm: torch.Tensor | None, kv: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+                   n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
+    """`rope_cache` and SDPA for one new token per row in one kernel: the inputs of `rope_cache`
+    plus mask [B, 1, 1, L], additive (0 attended, -inf not; every row attends at least its new
+    position). Writes the new K and V into kv as `rope_cache` does and returns the attention output
+    [B, H * D]. SDPA (cuDNN) took ~6 us per layer at batch 4 on the H200 (2026-12-01 profile), and
+    the rotary a kernel of its own."""
+    B = qkv.shape[0]
+    D = qkv.shape[1] // (n_heads + 2 * n_kv)
+    L = kv.shape[3]
+    torch._check(mask.dtype.is_floating_point and mask.shape[-1] == L, lambda: "rope_attention: additive mask [B, 1, 1, L]")
+    m, cos, sin = mask.reshape(B, L), cos.reshape(B, D), sin.reshape(B, D)
+    out = torch.empty((B, n_heads * D), dtype=qkv.dtype, device=qkv.device)
+    LP = triton.next_power_of_2(L)
+    _rope_attention[(B, n_kv)](
+        qkv, cos, sin, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, kv, slots, m, out,
+        D ** -0.5, eps, L, qkv.stride(0), cos.stride(0), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        m.stride(0), H=n_heads, NKV=n_kv, D=D, LP=LP, NORM=q_norm is not None, PDL=(p := pdl(qkv.device)),
+        num_warps=4 if LP * D <= 8192 else 8, enable_fp_fusion=FP_FUSION, launch_pdl=p)
     return out
 
 
-@decode_attention.register_fake
-def _(q, kv, mask):
-    return torch.empty_like(q)
+@rope_attention.register_fake
+def _(qkv, cos, sin, q_norm, k_norm, kv, slots, mask, n_heads, n_kv, eps):
+    return qkv.new_empty((qkv.shape[0], qkv.shape[1] // (n_heads + 2 * n_kv) * n_heads))

@@ -28,16 +28,16 @@ def test_project_bf16_within_its_derived_bounds_and_deterministic():
 
 def test_fused_layer_matches_layer_bf16():
     for seed, (q, b) in enumerate([(False, False), (True, False), (False, True)]):
-        for fm in (False, True):  # (the float mask: decode_attention instead of SDPA)
+        for fm in (False, True):  # (the float mask: rope_attention instead of rope_cache + SDPA)
             row = layer_cases.compare("cuda", torch.bfloat16, H=15, KV=5, D=64, I=2560, L=40, qwen3=q, bias=b, seed=seed,
                                       float_mask=fm)
             assert row["stream"] <= 8 * row["eps"] and row["cache"] <= 8 * row["eps"], row
 
 
-def test_decode_attention_bf16_within_one_ulp_of_sdpa():
-    for seed, (H, KV, D, L) in enumerate([(15, 5, 64, 192), (16, 8, 128, 128), (6, 2, 64, 40)]):
-        row = layer_cases.attention("cuda", torch.bfloat16, B=4, H=H, KV=KV, D=D, L=L, seed=seed)
-        assert row["diff"] <= row["bound"] and row["share"] < 0.05, row
+def test_rope_attention_bf16_writes_the_cache_and_is_within_one_ulp_of_sdpa():
+    for seed, (H, KV, D, L, q) in enumerate([(15, 5, 64, 192, False), (16, 8, 128, 128, True), (6, 2, 64, 40, False)]):
+        row = layer_cases.attention("cuda", torch.bfloat16, B=4, H=H, KV=KV, D=D, L=L, qwen3=q, seed=seed)
+        assert row["cache_equal"] and row["diff"] <= row["bound"] and row["share"] < 0.05, row
 
 
 def test_chunked_cumsum_close_to_the_plain_scan():

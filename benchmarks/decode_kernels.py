@@ -9,7 +9,8 @@ replayed, per variant of stages/blocks/decoder.py:
              takes the options of `fused` below (kernels:pr = with dc11211's row loop, the default
              since 2026-12-02's run; kernels:tile = every row loaded up front as one tile;
              kernels:sdpa = kernels.rope_cache and SDPA instead of kernels.rope_attention; kernels:nopdl = plain launches,
-             without programmatic dependent launch, kernels.PDL)
+             without programmatic dependent launch, kernels.PDL; kernels:grouped = one
+             rope_attention program per kv head, looping over its query heads, kernels.ATTN_HEADS)
   fused      decoder.fused_layer through torch.compile (the engine's default at dc11211): the projections
              as stages/blocks/kernels.py's `project` launches, RMSNorm, SiLU gate and residual adds
              folded in. Options after colons: fused:w1:s2048:fm = one warp per program (kernels.WARPS),
@@ -48,7 +49,8 @@ import torch.nn.functional as F
 
 from stages.blocks import decoder, kernels, models
 
-SLAB, WARPS, PER_ROW, ATTENTION, PDL = kernels.SLAB, kernels.WARPS, kernels.PER_ROW, kernels.ATTENTION, kernels.PDL  # (fused:... variants change them for their capture; put back after)
+SLAB, WARPS, PER_ROW, ATTENTION, PDL = kernels.SLAB, kernels.WARPS, kernels.PER_ROW, kernels.ATTENTION, kernels.PDL
+ATTN_HEADS = kernels.ATTN_HEADS  # (fused:... variants change them for their capture; put back after)
 
 SHAPES = {  # workload a (the seed) and b of benchmarks/systems.py: batch, prompt, new tokens
     "a": ("smollm2-360m", 4, 128, 64),
@@ -148,6 +150,7 @@ def _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, 
             kernels.PER_ROW = "pr" in opts or (PER_ROW and "tile" not in opts)
             kernels.ATTENTION = "sdpa" not in opts
             kernels.PDL = "nopdl" not in opts
+            kernels.ATTN_HEADS = None if "grouped" in opts else ATTN_HEADS
         if v.startswith("kernels"):
             fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, decoder.fused_layer))  # noqa: E731
         elif v == "eager":
@@ -191,6 +194,7 @@ def run_shape(name: str, deadline: float, reps: int, variants: list[str]) -> dic
     finally:
         decoder.F.linear = orig_linear  # (torch.nn.functional itself: put back whatever happened)
         kernels.SLAB, kernels.WARPS, kernels.PER_ROW, kernels.ATTENTION, kernels.PDL = SLAB, WARPS, PER_ROW, ATTENTION, PDL
+        kernels.ATTN_HEADS = ATTN_HEADS
     ref = res["variants"].get("eager", {}).get("logits")
     for row in res["variants"].values():
         lg = row.pop("logits", None)

@@ -49,6 +49,12 @@ FP_FUSION = True
 PER_ROW = True
 ATTENTION = True  # rope_attention where its tile fits (ATTN_TILE); False: rope_cache + SDPA (decode_kernels ':sdpa')
 ATTN_TILE = 16384  # cache positions (padded to a power of two) x head dim that one program holds
+# Query heads per rope_attention program: one, so that the seed step's attention runs as 60 programs
+# (4 rows x 15 heads) rather than 20 (x 5 kv heads, each program looping over its 3 query heads),
+# each re-reading its kv head's K and V (from L2 after the first). The H200 profile at c78a80c:
+# the grouped kernel took 6.95 us per layer (results/2026-12-02-h200-c78a80c-profile.txt).
+# None: every query head of a kv head in one program (benchmarks/decode_kernels.py ':grouped').
+ATTN_HEADS = 1
 WARPS = None  # warps per program; None: one, and one more per 4,096 elements past that (wide K)
 # Programmatic dependent launch (Hopper and later, `pdl`): each kernel of the decode layer is launched
 # while the one before it still runs, issues the loads that do not depend on it (the weights: nothing
@@ -194,13 +200,15 @@ if triton is not None:
     @triton.jit
     def _rope_attention(QKV, COS, SIN, QN, KN, KV, SLOT, MASK, O, scale, eps, L, s_qkv, s_cos, s_kvc, s_kvb,
                         s_kvh, s_kvl, s_mb, H: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
-                        LP: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-        # program (b, g): kv head g of row b and the H // NKV query heads that share it. The new key
-        # (normed, rotated) and value go into KV [2, B, NKV, L, D] at the slot SLOT holds and stand in
-        # for that row of the cache tile read here (so no store has to be visible to a load); then
-        # attention over all L positions at once (K and V [LP, D] held whole: every load in flight
-        # together), fp32 softmax, into O [B, H * D]
-        b, g = tl.program_id(0), tl.program_id(1)
+                        LP: tl.constexpr, QP: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+        # program (b, j): query heads j QP .. j QP + QP - 1 of row b (QP divides H // NKV) and the kv
+        # head g they share. The new key (normed, rotated) and value stand in for that row of the
+        # cache tile read here (so no store has to be visible to a load), and the first program of
+        # each kv head writes them into KV [2, B, NKV, L, D] at the slot SLOT holds; then attention
+        # over all L positions at once (K and V [LP, D] held whole: every load in flight together),
+        # fp32 softmax, into O [B, H * D]
+        b, j = tl.program_id(0), tl.program_id(1)
+        g = j * QP // (H // NKV)
         d, rl, rd = tl.arange(0, D // 2), tl.arange(0, LP), tl.arange(0, D)
         lm = rl < L
         if PDL:  # q|k|v comes from the kernel before
@@ -213,19 +221,20 @@ if triton is not None:
         src = QKV + b * s_qkv
         k1, k2 = _rotate(tl.load(src + (H + g) * D + d), tl.load(src + (H + g) * D + D // 2 + d), KN, c, s, d, eps, D, NORM)
         v1, v2 = tl.load(src + (H + NKV + g) * D + d), tl.load(src + (H + NKV + g) * D + D // 2 + d)
-        dst = KV + b * s_kvb + g * s_kvh + slot * s_kvl
-        tl.store(dst + d, k1)
-        tl.store(dst + D // 2 + d, k2)
-        tl.store(dst + s_kvc + d, v1)
-        tl.store(dst + s_kvc + D // 2 + d, v2)
+        if j * QP % (H // NKV) == 0:
+            dst = KV + b * s_kvb + g * s_kvh + slot * s_kvl
+            tl.store(dst + d, k1)
+            tl.store(dst + D // 2 + d, k2)
+            tl.store(dst + s_kvc + d, v1)
+            tl.store(dst + s_kvc + D // 2 + d, v2)
         base = KV + b * s_kvb + g * s_kvh + rl[:, None] * s_kvl + rd[None, :]
         new = (rl == slot)[:, None]  # [LP, 1]
         k = tl.load(base, mask=lm[:, None] & ~new, other=0.0)  # [LP, D], the compute dtype (registers)
         v = tl.load(base + s_kvc, mask=lm[:, None] & ~new, other=0.0)
         k = tl.where(new, tl.reshape(tl.permute(tl.join(k1, k2), (1, 0)), (D,))[None, :], k)  # halves joined: [D]
         v = tl.where(new, tl.reshape(tl.permute(tl.join(v1, v2), (1, 0)), (D,))[None, :], v)
-        for i in tl.static_range(H // NKV):
-            h = g * (H // NKV) + i
+        for i in tl.static_range(QP):
+            h = j * QP + i
             q1, q2 = _rotate(tl.load(src + h * D + d), tl.load(src + h * D + D // 2 + d), QN, c, s, d, eps, D, NORM)
             q = tl.reshape(tl.permute(tl.join(q1, q2), (1, 0)), (D,)).to(tl.float32)  # [D]
             sc = tl.sum(k.to(tl.float32) * q[None, :], 1) * scale + bias  # [LP]
@@ -318,10 +327,11 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_no
     m, cos, sin = mask.reshape(B, L), cos.reshape(B, D), sin.reshape(B, D)
     out = torch.empty((B, n_heads * D), dtype=qkv.dtype, device=qkv.device)
     LP = triton.next_power_of_2(L)
-    _rope_attention[(B, n_kv)](
+    qp = ATTN_HEADS or n_heads // n_kv
+    _rope_attention[(B, n_heads // qp)](
         qkv, cos, sin, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, kv, slots, m, out,
         D ** -0.5, eps, L, qkv.stride(0), cos.stride(0), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        m.stride(0), H=n_heads, NKV=n_kv, D=D, LP=LP, NORM=q_norm is not None, PDL=(p := pdl(qkv.device)),
+        m.stride(0), H=n_heads, NKV=n_kv, D=D, LP=LP, QP=qp, NORM=q_norm is not None, PDL=(p := pdl(qkv.device)),
         num_warps=4 if LP * D <= 8192 else 8, enable_fp_fusion=FP_FUSION, launch_pdl=p)
     return out
 

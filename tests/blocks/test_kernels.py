@@ -32,6 +32,8 @@ out = {"project": runs(range(3)),
        "attention": [layer_cases.attention("cpu", torch.float16, qwen3=q, seed=s) for s, q in enumerate((False, True, False))]}
 kernels.PER_ROW = False  # the tile loads (benchmarks/decode_kernels.py ':tile' compares them)
 out["tile"] = runs(range(1))
+kernels.ATTN_HEADS = None  # rope_attention with every query head of a kv head in one program
+out["attention"] += [layer_cases.attention("cpu", torch.float16, qwen3=q, seed=s) for s, q in ((3, True), (4, False))]
 print(json.dumps(out))
 """
 

@@ -7,7 +7,8 @@
 #           pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   (an sdist upstream)
 #           (and the SmolLM2 tokenizer files in .bench/smollm2-tokenizer: `opd stage prepare` once, then
 #            copy artifacts/store/tokenizer/<digest> there; .whl and .bench in .git/info/exclude)
-#   device: run(command="bash benchmarks/device_run.sh [tests|bench|all]", carry=[".whl", ".bench"])
+#   device: run(command="bash benchmarks/device_run.sh [tests|bench|all|decode]", carry=[".whl", ".bench"])
+#   (decode: benchmarks/decode_kernels.py's variants, OPD_DECODE_VARIANTS / OPD_DECODE_SHAPES)
 # The embedded GGUF model is over the carry limit, so tests take the tokenizer from .bench
 # (OPD_TEST_TOKENIZER) and the benchmark builds random-init models of the real shapes.
 # Durations seen on the H200 (2026-12-01, with the compiled decode step): tests ~390 s (the byte-
@@ -60,6 +61,13 @@ PY
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1
 } >"$out/env.txt" 2>&1
 rc=0
+if [ "$what" = decode ]; then
+  # the decode step's variants side by side (benchmarks/decode_kernels.py; ~15 s per variant at the seed shapes)
+  python3 benchmarks/decode_kernels.py --shapes "${OPD_DECODE_SHAPES:-a}" \
+    --variants "${OPD_DECODE_VARIANTS:-kernels,kernels:nopdl,kernels:grouped,kernels:sdpa,compiled,eager}" --out "$out/decode" 2>&1 \
+    | tee "$out/decode.log" | tail -20
+  rc=${PIPESTATUS[0]}
+fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # shellcheck disable=SC2086  # OPD_TESTS: pytest paths/options (a subset when one call cannot hold them all)
   OPD_GPU_RECORD="$out/gpu-replay.json" python3 -m pytest -q -m gpu -p no:cacheprovider ${OPD_TESTS:-tests} 2>&1 \

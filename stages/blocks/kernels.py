@@ -70,8 +70,11 @@ def pdl(device) -> bool:
     Safe because every kernel of ours launched so waits (gdc_wait) before it reads anything the
     kernel before it writes, and before it writes anything, and lets its successor launch only after
     that wait: a kernel then starts only once everything before its predecessor has completed, and
-    its own stores land after its predecessor's. Torch's kernels between ours launch plainly (they
-    wait for full completion, as always)."""
+    its own stores land after its predecessor's. So before its wait a kernel may read what was
+    written before its predecessor: the weights, the KV cache's earlier rows, the step's mask and
+    rotary tables (tensors alive for the whole step, so the graph's pool never hands their memory
+    to a predecessor's output). Torch's kernels between ours launch plainly (they wait for full
+    completion, as always)."""
     return PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
@@ -211,13 +214,20 @@ if triton is not None:
         g = j * QP // (H // NKV)
         d, rl, rd = tl.arange(0, D // 2), tl.arange(0, LP), tl.arange(0, D)
         lm = rl < L
-        if PDL:  # q|k|v comes from the kernel before
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        # first what the kernel before (the q|k|v projection) does not write, so that under PDL these
+        # loads, the cache's among them, overlap it: the mask, slot and rotary tables (made before the
+        # layers) and the cache's rows but the new one (written by earlier steps)
         bias = tl.load(MASK + b * s_mb + rl, mask=lm, other=float("-inf")).to(tl.float32)  # 0 or -inf
         slot = tl.load(SLOT)
         c = tl.load(COS + b * s_cos + d).to(tl.float32)  # cos/sin [B, D]: both halves alike
         s = tl.load(SIN + b * s_cos + d).to(tl.float32)
+        base = KV + b * s_kvb + g * s_kvh + rl[:, None] * s_kvl + rd[None, :]
+        new = (rl == slot)[:, None]  # [LP, 1]
+        k = tl.load(base, mask=lm[:, None] & ~new, other=0.0)  # [LP, D], the compute dtype (registers)
+        v = tl.load(base + s_kvc, mask=lm[:, None] & ~new, other=0.0)
+        if PDL:  # q|k|v comes from the kernel before
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         src = QKV + b * s_qkv
         k1, k2 = _rotate(tl.load(src + (H + g) * D + d), tl.load(src + (H + g) * D + D // 2 + d), KN, c, s, d, eps, D, NORM)
         v1, v2 = tl.load(src + (H + NKV + g) * D + d), tl.load(src + (H + NKV + g) * D + D // 2 + d)
@@ -227,10 +237,6 @@ if triton is not None:
             tl.store(dst + D // 2 + d, k2)
             tl.store(dst + s_kvc + d, v1)
             tl.store(dst + s_kvc + D // 2 + d, v2)
-        base = KV + b * s_kvb + g * s_kvh + rl[:, None] * s_kvl + rd[None, :]
-        new = (rl == slot)[:, None]  # [LP, 1]
-        k = tl.load(base, mask=lm[:, None] & ~new, other=0.0)  # [LP, D], the compute dtype (registers)
-        v = tl.load(base + s_kvc, mask=lm[:, None] & ~new, other=0.0)
         k = tl.where(new, tl.reshape(tl.permute(tl.join(k1, k2), (1, 0)), (D,))[None, :], k)  # halves joined: [D]
         v = tl.where(new, tl.reshape(tl.permute(tl.join(v1, v2), (1, 0)), (D,))[None, :], v)
         for i in tl.static_range(QP):

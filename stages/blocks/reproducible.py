@@ -95,12 +95,6 @@ def check() -> str:
     return m
 
 
-def dynamic() -> int | None:
-    """MKL's dynamic threading flag (1: MKL may choose fewer threads per call), None if unknown."""
-    f = _mkl_fn("get_dynamic")
-    return None if f is None else f()
-
-
 # ---- the stack: what computed the bytes, besides a stage's identity --------------------------------
 STACK_PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "numpy", "pyarrow")
 

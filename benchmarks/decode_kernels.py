@@ -108,7 +108,9 @@ def step_fn(W, st, logits_of):
 
 
 def timed_graph(fn, reps: int) -> tuple[float, float, object]:
-    """(first call s incl. compilation, ms per replay of the captured step, the warm-up's output)."""
+    """(first call s incl. compilation, ms per replay of the captured step, the captured step's output
+    after the last replay: what the numerics columns compare, so a replay that differs from eager, a
+    race between launches say, shows there)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     t = time.perf_counter()
@@ -120,7 +122,7 @@ def timed_graph(fn, reps: int) -> tuple[float, float, object]:
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
+        out = fn()  # (static output: holds each replay's result)
     for _ in range(10):
         g.replay()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -330,10 +330,15 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_no
     D = qkv.shape[1] // (n_heads + 2 * n_kv)
     L = kv.shape[3]
     torch._check(mask.dtype.is_floating_point and mask.shape[-1] == L, lambda: "rope_attention: additive mask [B, 1, 1, L]")
+    # read as dense rows, before the PDL wait: a copy made here would be a kernel launched right
+    # before this one, whose output it would read before waiting for it
+    torch._check(mask.is_contiguous() and cos.is_contiguous() and sin.is_contiguous(),
+                 lambda: "rope_attention: mask [B, 1, 1, L] and cos/sin [B, ..., D] must be contiguous")
     m, cos, sin = mask.reshape(B, L), cos.reshape(B, D), sin.reshape(B, D)
     out = torch.empty((B, n_heads * D), dtype=qkv.dtype, device=qkv.device)
     LP = triton.next_power_of_2(L)
     qp = ATTN_HEADS or n_heads // n_kv
+    torch._check((n_heads // n_kv) % qp == 0, lambda: f"kernels.ATTN_HEADS = {qp} must divide {n_heads // n_kv}")
     _rope_attention[(B, n_heads // qp)](
         qkv, cos, sin, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, kv, slots, m, out,
         D ** -0.5, eps, L, qkv.stride(0), cos.stride(0), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),

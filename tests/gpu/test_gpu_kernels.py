@@ -40,7 +40,7 @@ def test_rope_attention_bf16_writes_the_cache_and_is_within_one_ulp_of_sdpa():
         try:
             for seed, (H, KV, D, L, q) in enumerate([(15, 5, 64, 192, False), (16, 8, 128, 128, True), (6, 2, 64, 40, False)]):
                 row = layer_cases.attention("cuda", torch.bfloat16, B=4, H=H, KV=KV, D=D, L=L, qwen3=q, seed=seed)
-                assert row["cache_equal"] and row["diff"] <= row["bound"] and row["share"] < 0.05, (heads, row)
+                assert layer_cases.attention_ok(row), (heads, row)
         finally:
             kernels.ATTN_HEADS = 1
 
@@ -62,6 +62,7 @@ def test_compiled_decode_step_launches_the_kernels():
         torch.cuda.synchronize()
     names = {e.name for e in prof.events()}
     assert eng.compile and any("_project" in n for n in names), sorted(names)[:40]
+    assert any("_rope_attention" in n for n in names), sorted(names)[:40]  # (the float mask and a cache that fits)
     b = eng.generate(PROMPTS, 8, eos=2, pad=2, seed=3)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
 
@@ -102,6 +103,7 @@ def test_programmatic_dependent_launch_samples_what_plain_launches_do():
         try:
             eng = sampler.Engine(m, use_graphs=True, compile=True)
             runs[on] = [eng.generate(PROMPTS, 16, eos=2, pad=2, seed=5) for _ in range(3)]
+            assert eng.compile, on  # (a failed capture falls back to the eager step with a warning)
         finally:
             kernels.PDL = True
     for r in runs[True] + runs[False][1:]:

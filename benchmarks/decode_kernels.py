@@ -4,18 +4,17 @@ replayed, per variant of stages/blocks/decoder.py:
 
   eager      the layer eager (~20 kernels per layer)
   compiled   the layer through torch.compile, cuBLAS matmuls, SDPA (the engine's default until 2026-12-02)
-  kernels    decoder.fused_layer uncompiled, the float mask below (the engine's default since the
+  kernels    decoder.fused_layer uncompiled (the engine's default since the
              rotary kernel): each projection and the rotary/cache write one Triton kernel, no Inductor;
-             takes the options of `fused` below (kernels:pr = with dc11211's row loop, the default
-             since 2026-12-02's run; kernels:tile = every row loaded up front as one tile;
-             kernels:sdpa = kernels.rope_cache and SDPA instead of kernels.rope_attention; kernels:nopdl = plain launches,
-             without programmatic dependent launch, kernels.PDL; kernels:grouped = one
-             rope_attention program per kv head, looping over its query heads, kernels.ATTN_HEADS)
+             takes the options of `fused` below, and kernels:sdpa = kernels.rope_cache and SDPA
+             instead of kernels.rope_attention; kernels:nopdl = plain launches, without programmatic
+             dependent launch, kernels.PDL; kernels:grouped = one rope_attention program per kv head,
+             looping over its query heads, kernels.ATTN_HEADS. (kernels:tile, every input row loaded
+             up front as one tile, lost to the row loop at 438257d, 1.240 against 1.207 ms, and is gone)
   fused      decoder.fused_layer through torch.compile (the engine's default at dc11211): the projections
              as stages/blocks/kernels.py's `project` launches, RMSNorm, SiLU gate and residual adds
-             folded in. Options after colons: fused:w1:s2048:fm = one warp per program (kernels.WARPS),
-             2,048 weight elements per program (kernels.SLAB), the float mask below; ':pr' the row
-             loop of dc11211 (kernels.PER_ROW: a branch and a store per row)
+             folded in. Options after colons: fused:w1:s2048 = one warp per program (kernels.WARPS),
+             2,048 weight elements per program (kernels.SLAB)
   wt         compiled, each matmul as the transposed product w @ x^T (cuBLAS sees a tall-skinny
              problem with the batch as its N, and chooses other kernels than for M = batch); the
              LM head too (F.linear is replaced for the variant), so the draw reads strided logits
@@ -23,16 +22,16 @@ replayed, per variant of stages/blocks/decoder.py:
              templates against cuBLAS per shape; outside the deterministic mode the engine compiles under)
   window     compiled, the cache and mask cut to the bucket that holds the live positions (what a
              length-bucketed decode graph would read instead of the whole static cache)
-  floatmask  compiled, the keys' mask handed to attention as an additive float bias made once per
-             step (the engine hands a bool mask, which each layer's attention converts)
   stack      the whole step's forward (all layers and the head) as one compilation, so that Inductor
              may fuse across layer boundaries (the engine compiles one layer and calls it per layer)
 and the draw alone (decoder.pick) eager against compiled. (Matmuls and attention as reductions
 for Inductor, `rows`, were measured at a483038 and lost: results/2026-12-01-h200-decode-kernels-rows.md;
 a hand-written Triton matmul for the step's few rows, `skinny`, at 7fbcb21 and lost to cuBLAS at
 every setting at the seed (batch 4) shapes: -decode-kernels-skinny.md. At 11f8aee, seed shapes:
-floatmask 1.356 ms/step against compiled 1.386 (2%), stack 1.688 (lost; 25 s to compile):
-results/2026-12-02-h200-11f8aee-decode-kernels-floatmask-stack.md.) Numerics: each variant's logits against
+an additive float mask made once per step instead of the bool one each layer converted 1.356 ms/step
+against compiled 1.386 (2%; decoder.forward has made it on CUDA since, for every variant here),
+stack 1.688 (lost; 25 s to compile): results/2026-12-02-h200-11f8aee-decode-kernels-floatmask-stack.md.)
+Numerics: each variant's logits against
 the eager variant's on the same state (max |diff|, argmax agreement).
 
     python benchmarks/decode_kernels.py --out $OUT   # CUDA only; writes decode-kernels.{json,md}
@@ -49,14 +48,14 @@ import torch.nn.functional as F
 
 from stages.blocks import decoder, kernels, models
 
-SLAB, WARPS, PER_ROW, ATTENTION, PDL = kernels.SLAB, kernels.WARPS, kernels.PER_ROW, kernels.ATTENTION, kernels.PDL
+SLAB, WARPS, ATTENTION, PDL = kernels.SLAB, kernels.WARPS, kernels.ATTENTION, kernels.PDL
 ATTN_HEADS = kernels.ATTN_HEADS  # (fused:... variants change them for their capture; put back after)
 
 SHAPES = {  # workload a (the seed) and b of benchmarks/systems.py: batch, prompt, new tokens
     "a": ("smollm2-360m", 4, 128, 64),
     "b": ("qwen3-0.6b", 64, 128, 512),
 }
-VARIANTS = ("compiled", "kernels", "fused", "floatmask", "stack", "eager", "window", "wt", "autotune")
+VARIANTS = ("compiled", "kernels", "fused", "stack", "eager", "window", "wt", "autotune")
 
 
 def linear_t(x, w, b=None):
@@ -93,8 +92,6 @@ def logits_fn(W, st, layer, L=None):
     kv, valid = st["kv"], st["valid"]
     if L is not None:
         kv, valid = kv[..., :L, :], valid[..., :L]
-    if st.get("float_mask"):  # 0 where a key is attended, -inf elsewhere, in the compute dtype
-        valid = torch.zeros(valid.shape, dtype=W["dtype"], device=valid.device).masked_fill(~valid, float("-inf"))
     h = decoder.forward(W, st["tok"], st["pos"], kv, st["slot"], valid, layer)
     return F.linear(h[:, 0], W["head"])  # [B, V]
 
@@ -145,11 +142,9 @@ def _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, 
         decoder.F.linear = linear_t if v == "wt" else orig_linear  # (torch.nn.functional itself, for this variant)
         st = state(W, B, P, N, live)
         opts = v.split(":")[1:]
-        st["float_mask"] = v.startswith(("floatmask", "kernels")) or "fm" in opts
         if v.startswith(("fused", "kernels")):  # the kernels' settings, read at capture
             kernels.SLAB = next((int(o[1:]) for o in opts if o[0] == "s" and o[1:].isdigit()), SLAB)
             kernels.WARPS = next((int(o[1:]) for o in opts if o[0] == "w" and o[1:].isdigit()), WARPS)
-            kernels.PER_ROW = "pr" in opts or (PER_ROW and "tile" not in opts)
             kernels.ATTENTION = "sdpa" not in opts
             kernels.PDL = "nopdl" not in opts
             kernels.ATTN_HEADS = None if "grouped" in opts else ATTN_HEADS
@@ -195,7 +190,7 @@ def run_shape(name: str, deadline: float, reps: int, variants: list[str]) -> dic
         _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, variants)
     finally:
         decoder.F.linear = orig_linear  # (torch.nn.functional itself: put back whatever happened)
-        kernels.SLAB, kernels.WARPS, kernels.PER_ROW, kernels.ATTENTION, kernels.PDL = SLAB, WARPS, PER_ROW, ATTENTION, PDL
+        kernels.SLAB, kernels.WARPS, kernels.ATTENTION, kernels.PDL = SLAB, WARPS, ATTENTION, PDL
         kernels.ATTN_HEADS = ATTN_HEADS
     ref = res["variants"].get("eager", {}).get("logits")
     for row in res["variants"].values():

@@ -34,7 +34,7 @@ def compare(device: str, dtype, B: int = 3, H: int = 4, KV: int = 2, D: int = 16
     slots = torch.tensor([7], device=device)
     mask = (torch.arange(L, device=device) <= 7)[None, None, None].expand(B, 1, 1, L)
     if float_mask:  # as the engine's decode step hands it (then fused_layer takes rope_attention)
-        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, float("-inf"))
+        mask = decoder.additive_mask(mask, dtype)
     args = (w, None, cos, sin, mask, slots, H, KV, D, 1e-5, F.silu)
     kv_a, kv_b = kv.clone(), kv.clone()
     xa, ma = decoder.layer(x, r, args[0], kv_a, *args[2:])
@@ -64,7 +64,7 @@ def attention(device: str, dtype, B: int = 3, H: int = 6, KV: int = 2, D: int = 
     slots = torch.tensor([3], device=device)  # the new token's slot, attended by every row
     live = torch.tensor([L // 2, L - 1, 3][:B] + [L - 1] * max(0, B - 3), device=device)  # keys <= live[b] attended
     keep = torch.arange(L, device=device)[None, :] <= live[:, None]
-    mask = torch.zeros(B, 1, 1, L, dtype=dtype, device=device).masked_fill(~keep[:, None, None], float("-inf"))
+    mask = decoder.additive_mask(keep[:, None, None], dtype)  # [B, 1, 1, L]
     kv_ref, kv_got = kv.clone(), kv.clone()
     q = kernels.rope_cache(qkv, cos, sin, *norms, kv_ref, slots, H, KV, 1e-6)  # [B, H, 1, D]
     got = kernels.rope_attention(qkv, cos, sin, *norms, kv_got, slots, mask, H, KV, 1e-6).float()  # [B, H*D]

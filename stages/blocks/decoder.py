@@ -262,13 +262,18 @@ def forward(W, ids, pos, cache, slots, key_valid, layer=layer):
     cos = (emb.cos() * W["rope_scale"]).to(dt)[:, None]  # [B, 1, T, D]
     sin = (emb.sin() * W["rope_scale"]).to(dt)[:, None]
     mask = key_valid[:, None]  # [B, 1, T, L]
-    if mask.dtype == torch.bool and mask.is_cuda:  # the additive mask SDPA would make of it: once, not per layer
-        mask = torch.zeros(mask.shape, dtype=dt, device=mask.device).masked_fill_(~mask, float("-inf"))
+    if mask.dtype == torch.bool and mask.is_cuda:  # made once, not per layer
+        mask = additive_mask(mask, dt)
     act = activation(W)
     r = torch.zeros_like(x)
     for i, w in enumerate(W["layers"]):
         x, r = layer(x, r, w, cache[i], cos, sin, mask, slots, W["n_heads"], W["n_kv"], W["head_dim"], W["eps"], act)
     return rms(x if r is None else x + r, W["norm"], W["eps"])  # (fused_layer: no MLP output left to add)
+
+
+def additive_mask(valid, dtype):
+    """The additive mask SDPA makes of a bool one: 0 where valid, -inf elsewhere, in `dtype`."""
+    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
 
 
 def _cumsum(p, chunk: int = 1024):

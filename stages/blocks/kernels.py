@@ -42,11 +42,6 @@ SLAB = 2048
 # Triton's FP fusion (mul + add as one FMA) changes bytes, and its default is to flip in Triton 3.10
 # (TRITON_DEFAULT_FP_FUSION changes it today): pinned, as every measurement so far ran it (on).
 FP_FUSION = True
-# dc11211's row loop (each row loaded, reduced and stored in turn) measured faster than loading every
-# row up front as one tile (rows then taken out of the tile by a masked sum across lanes): 1.207 ms
-# per decode step against 1.240 on the H200 (results/2026-12-02-h200-438257d-decode-kernels.log).
-# False: the tile (benchmarks/decode_kernels.py ':tile').
-PER_ROW = True
 ATTENTION = True  # rope_attention where its tile fits (ATTN_TILE); False: rope_cache + SDPA (decode_kernels ':sdpa')
 ATTN_TILE = 16384  # cache positions (padded to a power of two) x head dim that one program holds
 # Query heads per rope_attention program: one, so that the seed step's attention runs as 60 programs
@@ -89,7 +84,7 @@ if triton is not None:
     def _project(X, NW, W, BIAS, R, Y, M, N, K, eps, sx, sy, sr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr,
                  NORM: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, RESID: tl.constexpr,
-                 PER_ROW: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
         # program: output columns [n0, n0 + BLOCK_N) of every row; W [N (x2 with GLU), K] row-major
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         rk = tl.arange(0, KP)  # [KP], K padded to a power of two (masked lanes fetch nothing)
@@ -107,22 +102,12 @@ if triton is not None:
         if PDL:  # the weights above are loaded while the kernel before still runs; x and resid after it
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        rm = tl.arange(0, BLOCK_M)
-        out = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # every row's result, stored once at the end
-        if not PER_ROW:  # every input row loaded up front, so that no row's loads wait for another's compute
-            xt = tl.load(X + rm[:, None] * sx + rk[None, :], mask=(rm < M)[:, None] & km[None, :], other=0.0)
-            if RESID:
-                rt = tl.load(R + rm[:, None] * sr + rn[None, :], mask=(rm < M)[:, None] & nm[None, :], other=0.0)
+        # each row loaded, reduced and stored in turn: this measured faster than loading every row up
+        # front as one tile and taking rows out of it by masked sums across lanes (1.207 ms per decode
+        # step against 1.240 on the H200, results/2026-12-02-h200-438257d-decode-kernels.log)
         for m in tl.static_range(BLOCK_M):
-            # rows past M (BLOCK_M: M rounded up to a power of two) masked, not branched around, and no
-            # store until every row is done: a store may alias X or R, so a load after one cannot be
-            # issued before it, and each row's loads would wait for the row before (sm_90 SASS of
-            # dc11211's kernel). PER_ROW: that kernel (branch, then a store per row), for comparison.
-            if not PER_ROW or m < M:
-                if PER_ROW:  # (inside the branch: m < M)
-                    xr = tl.load(X + m * sx + rk, mask=km, other=0.0)  # [KP], the compute dtype
-                else:  # row m of the tile (a select and a sum over BLOCK_M values: exact)
-                    xr = tl.sum(tl.where(rm[:, None] == m, xt, 0.0), 0).to(xt.dtype)
+            if m < M:  # (BLOCK_M: M rounded up to a power of two)
+                xr = tl.load(X + m * sx + rk, mask=km, other=0.0)  # [KP], the compute dtype
                 dt = xr.dtype
                 if NORM:  # w * rms_norm(x): fp32 statistics, normalised row rounded, scaled in dtype
                     xf = xr.to(tl.float32)
@@ -141,18 +126,9 @@ if triton is not None:
                     s = (g / (1.0 + tl.exp(-g))).to(dt)  # silu(gate), rounded as eager rounds it
                     y = (s.to(tl.float32) * u.to(dt).to(tl.float32)).to(dt)
                 if RESID:
-                    if PER_ROW:
-                        r = tl.load(R + m * sr + rn, mask=nm, other=0.0)
-                    else:
-                        r = tl.sum(tl.where(rm[:, None] == m, rt, 0.0), 0).to(rt.dtype)
+                    r = tl.load(R + m * sr + rn, mask=nm, other=0.0)
                     y = (r.to(tl.float32) + y.to(tl.float32)).to(dt)
-                if PER_ROW:
-                    tl.store(Y + m * sy + rn, y, mask=nm)
-                else:
-                    out = tl.where(rm[:, None] == m, y.to(tl.float32)[None, :], out)  # (exact: y is rounded)
-        if not PER_ROW:
-            tl.store(Y + rm[:, None] * sy + rn[None, :], out.to(Y.dtype.element_ty),
-                     mask=(rm < M)[:, None] & nm[None, :])
+                tl.store(Y + m * sy + rn, y, mask=nm)
 
 
     @triton.jit
@@ -275,7 +251,7 @@ def project(x: torch.Tensor, w: torch.Tensor, norm_w: torch.Tensor | None, bias:
         resid if resid is not None else dummy, out, M, N, K, eps,
         x.stride(0), out.stride(0), resid.stride(0) if resid is not None else 0,
         BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, KP=KP,
-        NORM=norm_w is not None, GLU=glu, HAS_BIAS=bias is not None, RESID=resid is not None, PER_ROW=PER_ROW,
+        NORM=norm_w is not None, GLU=glu, HAS_BIAS=bias is not None, RESID=resid is not None,
         PDL=(p := pdl(x.device)), num_warps=WARPS or max(1, block_n * KP * (2 if glu else 1) // 4096),
         enable_fp_fusion=FP_FUSION, launch_pdl=p)
     return out

@@ -25,14 +25,10 @@ import torch
 from stages.blocks import kernels
 import kernel_cases, layer_cases
 kernels.usable = lambda rows, dtype, device, act: True  # (CPU tensors: the interpreter runs the kernel)
-def runs(seeds):
-    return [kernel_cases.check(kernels.project, "cpu", torch.float16, kernel_cases.CPU_SHAPES, s) for s in seeds]
-out = {"project": runs(range(3)),
+out = {"project": [kernel_cases.check(kernels.project, "cpu", torch.float16, kernel_cases.CPU_SHAPES, s) for s in range(3)],
        "layer": [layer_cases.compare("cpu", torch.float16, qwen3=q, bias=b, seed=s, float_mask=f)
                  for s, (q, b, f) in enumerate([(False, False, False), (True, False, True), (False, True, True)])],
        "attention": [layer_cases.attention("cpu", torch.float16, qwen3=q, seed=s) for s, q in enumerate((False, True, False))]}
-kernels.PER_ROW = False  # the tile loads (benchmarks/decode_kernels.py ':tile' compares them)
-out["tile"] = runs(range(1))
 kernels.ATTN_HEADS = None  # rope_attention with every query head of a kv head in one program
 out["attention"] += [layer_cases.attention("cpu", torch.float16, qwen3=q, seed=s) for s, q in ((3, True), (4, False))]
 print(json.dumps(out))
@@ -49,7 +45,7 @@ def interpreted():
 
 
 def test_project_within_its_derived_bounds(interpreted):
-    for run in interpreted["project"] + interpreted["tile"]:  # (tile: kernels.PER_ROW off)
+    for run in interpreted["project"]:
         assert run["bad"] == [], run
         # every flag combination the decoder uses, at several programs per matrix
         assert {lbl.split(" ", 1)[1] for lbl in run["cases"]} == {

@@ -1,8 +1,8 @@
 """CPU replay under load: does the rollout engine's first sample in a fresh process give the same
 bytes every time, also while other processes compete for the cores?
 
-Each run is a fresh process that builds the SmolLM2-shaped tiny Llama of conf/arch (random init,
-seed 0) with a non-trivial LoRA, samples once (4 prompts x 24 tokens, 2 intra-op threads, MKL's
+Each run is a fresh process that builds the engine tests' model (tests/engine_models.py: the
+SmolLM2-shaped tiny Llama of conf/arch, random init, seed 0, a non-trivial LoRA), samples once (4 prompts x 24 tokens, 2 intra-op threads, MKL's
 strict CNR mode as every `opd` process sets it) and reports a hash of the tokens and log-probs.
 `--load K` runs K processes of 2-thread float32 matmuls beside the runs; `--env KEY=VALUE` (repeatable)
 sets a variable in every run's environment (e.g. MKL_DYNAMIC=FALSE). The report counts the distinct
@@ -12,12 +12,12 @@ log-prob and the largest difference.
 Why it exists: tests/reliability/test_integrity.py's truncated-rollout case failed once in a full
 suite run beside other work (2026-12-02): the recomputed step-2 rollout differed from the
 uninterrupted run's in rows 0-1 from position 0 (log-prob |d| <= 0.0034, a token flipped later).
-Ad-hoc runs of the same sampling (a loop of fresh processes) gave other bytes in 5 of ~190
-processes while one to six such load processes and other test work shared the 2 cores (none of 10
-without load), each time rows 0-1 from position 0, rows 2-3 identical; this driver's own run
-with 3 load processes gave one result in 14 (results/2026-12-02-cpu-replay-under-load-load3.md):
-the condition that triggers it is not pinned down yet. With the op outputs kept (`--ops`), one odd
-run beside the CI suite first departed at the prefill's first scaled_dot_product_attention (torch's
+Ad-hoc loops of the same sampling in fresh processes gave other bytes in 7 of ~350 processes, all
+run while load processes or other test work (the test suite, a review's interpreter runs) shared
+the 2 cores; each time rows 0-1 differed from position 0 and rows 2-3 did not. This driver's own
+run with 3 load processes gave one result in 14 (results/2026-12-02-cpu-replay-under-load-load3.md):
+what triggers it is not pinned down. With the op outputs kept (`--ops`), one odd
+run (a loop beside the CI suite) first departed at the prefill's first scaled_dot_product_attention (torch's
 CPU flash-attention kernel), rows 0-1 (its first intra-op thread's), on bit-identical inputs.
 
     python benchmarks/replay_under_load.py --runs 20 --load 3 [--ops] [--env MKL_DYNAMIC=FALSE] --out benchmarks/results
@@ -47,21 +47,14 @@ def child(ops: bool) -> None:
 
     reproducible.set_env()
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from stages.blocks import models, sampler
-    from stages.blocks.config import LoraCfg
+    from stages.blocks import sampler
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from engine_models import tiny, with_trained_lora
 
     torch.set_num_threads(2)
-    spec = {k: v for k, v in json.loads((ROOT / "conf/arch/tiny-llama.json").read_text()).items() if k != "_comment"}
-    spec["initializer_range"] = 0.05
-    torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec), dtype=torch.float32).eval()
-    m = models.add_lora(m, LoraCfg(r=4, alpha=8), seed=1)
-    with torch.no_grad():  # a non-trivial adapter, so the merge matters
-        for n, p in m.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.2)
+    m = with_trained_lora(tiny(initializer_range=0.05), scale=0.2)
     prompts = [[1] + list(range(100 + 37 * b, 127 + 44 * b)) for b in range(4)]
     kept = []
     if ops:  # a copy of the first 300 op outputs of the decoder (torch.nn.functional), hashed after the run

@@ -5,7 +5,8 @@ Each run is a fresh process that builds the engine tests' model (tests/engine_mo
 SmolLM2-shaped tiny Llama of conf/arch, random init, seed 0, a non-trivial LoRA), samples once (4 prompts x 24 tokens, 2 intra-op threads, MKL's
 strict CNR mode as every `opd` process sets it) and reports a hash of the tokens and log-probs.
 `--load K` runs K processes of 2-thread float32 matmuls beside the runs; `--env KEY=VALUE` (repeatable)
-sets a variable in every run's environment (e.g. MKL_DYNAMIC=FALSE). The report counts the distinct
+sets a variable in every run's environment (e.g. MKL_DYNAMIC=FALSE; OPD_REPLAY_WARMUP=1: a throwaway
+SDPA and matmul on every intra-op thread before the model is built). The report counts the distinct
 results and, for each result other than the most common, the (row, position) of its first differing
 log-prob and the largest difference.
 
@@ -54,6 +55,10 @@ def child(ops: bool) -> None:
     from engine_models import tiny, with_trained_lora
 
     torch.set_num_threads(2)
+    if os.environ.get("OPD_REPLAY_WARMUP"):  # every intra-op thread's first SGEMM, in CPU flash attention, before the run's
+        q = torch.randn(4, 15, 130, 64)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        q[0] @ q[1].transpose(-1, -2)
     m = with_trained_lora(tiny(initializer_range=0.05), scale=0.2)
     prompts = [[1] + list(range(100 + 37 * b, 127 + 44 * b)) for b in range(4)]
     kept = []

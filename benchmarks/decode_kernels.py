@@ -8,10 +8,13 @@ replayed, per variant of stages/blocks/decoder.py:
              rotary kernel): each projection and the rotary/cache write one Triton kernel, no Inductor;
              takes the options of `fused` below, and kernels:sdpa = kernels.rope_cache and SDPA
              instead of kernels.rope_attention; kernels:nopdl = plain launches, without programmatic
-             dependent launch, kernels.PDL; kernels:grouped = one rope_attention program per kv head,
-             looping over its query heads, kernels.ATTN_HEADS. (kernels:tile, every input row loaded
-             up front as one tile, lost to the row loop at 438257d, 1.240 against 1.207 ms, and is gone)
-  fused      decoder.fused_layer through torch.compile (the engine's default at dc11211): the projections
+             dependent launch, kernels.PDL; kernels:t8192 = rope_attention blocks of 8,192 cache
+             elements (kernels.ATTN_TILE). (kernels:tile, every input row loaded up front as one tile,
+             lost to the row loop at 438257d, 1.240 against 1.207 ms, and is gone; kernels:grouped, one
+             rope_attention program per kv head, lost at 7abd5a7, 1.019 against 0.909, and is gone)
+  fused      decoder.fused_layer through torch.compile (the engine's default at dc11211, and past
+             kernels.MAX_ROWS rows, workload b, today: there it is decoder.layer with rope_attention
+             for the attention, around cuBLAS's matmuls): the projections
              as stages/blocks/kernels.py's `project` launches, RMSNorm, SiLU gate and residual adds
              folded in. Options after colons: fused:w1:s2048 = one warp per program (kernels.WARPS),
              2,048 weight elements per program (kernels.SLAB)
@@ -49,7 +52,7 @@ import torch.nn.functional as F
 from stages.blocks import decoder, kernels, models
 
 SLAB, WARPS, ATTENTION, PDL = kernels.SLAB, kernels.WARPS, kernels.ATTENTION, kernels.PDL
-ATTN_HEADS = kernels.ATTN_HEADS  # (fused:... variants change them for their capture; put back after)
+ATTN_TILE = kernels.ATTN_TILE  # (fused:... variants change them for their capture; put back after)
 
 SHAPES = {  # workload a (the seed) and b of benchmarks/systems.py: batch, prompt, new tokens
     "a": ("smollm2-360m", 4, 128, 64),
@@ -147,7 +150,7 @@ def _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, 
             kernels.WARPS = next((int(o[1:]) for o in opts if o[0] == "w" and o[1:].isdigit()), WARPS)
             kernels.ATTENTION = "sdpa" not in opts
             kernels.PDL = "nopdl" not in opts
-            kernels.ATTN_HEADS = None if "grouped" in opts else ATTN_HEADS
+            kernels.ATTN_TILE = next((int(o[1:]) for o in opts if o[0] == "t" and o[1:].isdigit()), ATTN_TILE)
         if v.startswith("kernels"):
             fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, decoder.fused_layer))  # noqa: E731
         elif v == "eager":
@@ -191,7 +194,7 @@ def run_shape(name: str, deadline: float, reps: int, variants: list[str]) -> dic
     finally:
         decoder.F.linear = orig_linear  # (torch.nn.functional itself: put back whatever happened)
         kernels.SLAB, kernels.WARPS, kernels.ATTENTION, kernels.PDL = SLAB, WARPS, ATTENTION, PDL
-        kernels.ATTN_HEADS = ATTN_HEADS
+        kernels.ATTN_TILE = ATTN_TILE
     ref = res["variants"].get("eager", {}).get("logits")
     for row in res["variants"].values():
         lg = row.pop("logits", None)

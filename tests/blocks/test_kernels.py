@@ -25,12 +25,13 @@ import torch
 from stages.blocks import kernels
 import kernel_cases, layer_cases
 kernels.usable = lambda rows, dtype, device, act: True  # (CPU tensors: the interpreter runs the kernel)
+kernels.attention_usable = lambda dtype, device, D: kernels.ATTENTION
 out = {"project": [kernel_cases.check(kernels.project, "cpu", torch.float16, kernel_cases.CPU_SHAPES, s) for s in range(3)],
        "layer": [layer_cases.compare("cpu", torch.float16, qwen3=q, bias=b, seed=s, float_mask=f)
                  for s, (q, b, f) in enumerate([(False, False, False), (True, False, True), (False, True, True)])],
-       "attention": [layer_cases.attention("cpu", torch.float16, qwen3=q, seed=s) for s, q in enumerate((False, True, False))]}
-kernels.ATTN_HEADS = None  # rope_attention with every query head of a kv head in one program
-out["attention"] += [layer_cases.attention("cpu", torch.float16, qwen3=q, seed=s) for s, q in ((3, True), (4, False))]
+       # one block holding the whole cache (the seed's), then 16-position blocks: three, row 1's first masked whole
+       "attention": [layer_cases.attention("cpu", torch.float16, qwen3=q, seed=s, block=blk)
+                     for s, (q, blk) in enumerate([(False, None), (True, None), (False, 16), (True, 16), (False, 32)])]}
 print(json.dumps(out))
 """
 
@@ -65,6 +66,7 @@ def test_fused_layer_matches_layer(interpreted):
 def test_rope_attention_writes_the_cache_and_is_within_one_ulp_of_sdpa(interpreted):
     for row in interpreted["attention"]:
         assert layer_cases.attention_ok(row), row
+    assert {row["block"] for row in interpreted["attention"]} == {None, 16, 32}
 
 
 def test_cpu_decoding_never_takes_the_kernels():

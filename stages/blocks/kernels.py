@@ -46,6 +46,12 @@ ATTENTION = True  # rope_attention for the decode step's attention; False: rope_
 # Cache positions x head dim that one rope_attention program holds per block (K and V each): the
 # seed's whole cache (256 x 64) in one block, Qwen3's 128-dim heads 128 positions at a time.
 ATTN_TILE = 16384
+# Past this many rows, rope_attention runs a program per row and kv head instead (_rope_attention_kv:
+# its query heads together, tensor-core products, the cache read once), ATTN_KV_BLOCK positions at a
+# time: at workload b's 64 rows the per-query-head kernel took 150 us per layer where cuDNN's SDPA
+# took 45 over the whole cache (results/2026-12-02-h200-387c904-decode-profile-b.md).
+ATTN_KV_ROWS = 16
+ATTN_KV_BLOCK = 64
 WARPS = None  # warps per program; None: one, and one more per 4,096 elements past that (wide K)
 # Programmatic dependent launch (Hopper and later, `pdl`): each kernel of the decode layer is launched
 # while the one before it still runs, issues the loads that do not depend on it (the weights: nothing
@@ -129,13 +135,13 @@ if triton is not None:
 
     @triton.jit
     def _rotate(x1, x2, NW, c, s, d, eps, D: tl.constexpr, NORM: tl.constexpr):
-        """One head's halves x1, x2 [D // 2] (compute dtype): Qwen3's RMSNorm with weight NW (fp32
-        statistics, normalised row rounded, scaled in the dtype), then rotary with c, s [D // 2] (fp32)
-        in fp32, rounded once (as compiled)."""
+        """One head's halves x1, x2 [D // 2] (compute dtype; or several heads', [G, D // 2]): Qwen3's
+        RMSNorm with weight NW (fp32 statistics, normalised row rounded, scaled in the dtype), then
+        rotary with c, s [D // 2] (fp32) in fp32, rounded once (as compiled)."""
         dt = x1.dtype
         if NORM:
             f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-            rstd = tl.rsqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / D + eps)
+            rstd = tl.rsqrt((tl.sum(f1 * f1, -1, keep_dims=True) + tl.sum(f2 * f2, -1, keep_dims=True)) / D + eps)
             x1 = ((f1 * rstd).to(dt).to(tl.float32) * tl.load(NW + d).to(tl.float32)).to(dt)
             x2 = ((f2 * rstd).to(dt).to(tl.float32) * tl.load(NW + D // 2 + d).to(tl.float32)).to(dt)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
@@ -239,6 +245,68 @@ if triton is not None:
         tl.store(O + b * H * D + h * D + rd, (acc / den).to(O.dtype.element_ty))
 
 
+    @triton.jit
+    def _rope_attention_kv(QKV, COS, SIN, QN, KN, KV, SLOT, MASK, O, scale, eps, L, s_qkv, s_cos, s_kvc, s_kvb,
+                           s_kvh, s_kvl, s_mb, H: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+                           BL: tl.constexpr, GP: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+        # program (b, g): kv head g of row b and its G = H // NKV query heads, the rows of a [GP, D]
+        # tile (G padded to tl.dot's 16): what _rope_attention does, with the scores and the weighted
+        # sum of V as tensor-core products, so each kv head's cache is read once (many rows: the
+        # cache, not the launch, is the cost). Q K^T from the compute dtype into fp32; P V in tf32 (P
+        # rounded to 10 bits, V exact in it)
+        b, g = tl.program_id(0), tl.program_id(1)
+        G: tl.constexpr = H // NKV
+        d, rl, rd, rg = tl.arange(0, D // 2), tl.arange(0, BL), tl.arange(0, D), tl.arange(0, GP)
+        slot = tl.load(SLOT)  # (the loads that need nothing from the kernel before, as in _rope_attention)
+        n = tl.minimum(slot + 1, L)
+        c = tl.load(COS + b * s_cos + d).to(tl.float32)
+        s = tl.load(SIN + b * s_cos + d).to(tl.float32)
+        base = KV + b * s_kvb + g * s_kvh + rd[None, :]
+        pos = rl
+        old = ((pos < n) & (pos != slot))[:, None]
+        k = tl.load(base + pos[:, None] * s_kvl, mask=old, other=0.0)  # [BL, D]
+        v = tl.load(base + s_kvc + pos[:, None] * s_kvl, mask=old, other=0.0)
+        bias = tl.load(MASK + b * s_mb + pos, mask=pos < n, other=float("-inf")).to(tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        src = QKV + b * s_qkv
+        k1, k2 = _rotate(tl.load(src + (H + g) * D + d), tl.load(src + (H + g) * D + D // 2 + d), KN, c, s, d, eps, D, NORM)
+        v1, v2 = tl.load(src + (H + NKV + g) * D + d), tl.load(src + (H + NKV + g) * D + D // 2 + d)
+        dst = KV + b * s_kvb + g * s_kvh + slot * s_kvl
+        tl.store(dst + d, k1)
+        tl.store(dst + D // 2 + d, k2)
+        tl.store(dst + s_kvc + d, v1)
+        tl.store(dst + s_kvc + D // 2 + d, v2)
+        k_new = tl.reshape(tl.permute(tl.join(k1, k2), (1, 0)), (D,))[None, :]  # [1, D]
+        v_new = tl.reshape(tl.permute(tl.join(v1, v2), (1, 0)), (D,))[None, :]
+        qm = (rg < G)[:, None]  # [GP, 1]
+        qh = src + (g * G + rg)[:, None] * D + d[None, :]  # [GP, D // 2]: the first halves of the group's heads
+        q1, q2 = _rotate(tl.load(qh, mask=qm, other=0.0), tl.load(qh + D // 2, mask=qm, other=0.0), QN,
+                         c[None, :], s[None, :], d, eps, D, NORM)
+        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (GP, D))  # [GP, D], the compute dtype
+        m = tl.full((GP,), float("-inf"), tl.float32)
+        den = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, D), tl.float32)
+        for _ in range(0, n, BL):
+            new = (pos == slot)[:, None]
+            sc = tl.dot(q, tl.trans(tl.where(new, k_new, k))) * scale + bias[None, :]  # [GP, BL] fp32
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - ref)
+            p = tl.exp(sc - ref[:, None])
+            den = den * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p, tl.where(new, v_new, v).to(tl.float32), input_precision="tf32")
+            m = m_new
+            pos += BL
+            old = ((pos < n) & (pos != slot))[:, None]
+            k = tl.load(base + pos[:, None] * s_kvl, mask=old, other=0.0)
+            v = tl.load(base + s_kvc + pos[:, None] * s_kvl, mask=old, other=0.0)
+            bias = tl.load(MASK + b * s_mb + pos, mask=pos < n, other=float("-inf")).to(tl.float32)
+        tl.store(O + b * H * D + (g * G + rg)[:, None] * D + rd[None, :], (acc / den[:, None]).to(O.dtype.element_ty),
+                 mask=qm)
+
+
 @torch.library.custom_op("opd::project", mutates_args=())
 def project(x: torch.Tensor, w: torch.Tensor, norm_w: torch.Tensor | None, bias: torch.Tensor | None,
             resid: torch.Tensor | None, eps: float, glu: bool) -> torch.Tensor:
@@ -330,12 +398,19 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_no
     m, cos, sin = mask.reshape(B, L), cos.reshape(B, D), sin.reshape(B, D)
     qkv = qkv.contiguous()  # (read after the wait)
     out = torch.empty((B, n_heads * D), dtype=qkv.dtype, device=qkv.device)
+    args = (qkv, cos, sin, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, kv, slots, m,
+            out, D ** -0.5, eps, L, qkv.stride(0), cos.stride(0), kv.stride(0), kv.stride(1), kv.stride(2),
+            kv.stride(3), m.stride(0))
+    p = pdl(qkv.device)
+    if B > ATTN_KV_ROWS:  # a program per kv head, tensor-core products
+        BL = min(max(16, triton.next_power_of_2(L)), ATTN_KV_BLOCK)
+        _rope_attention_kv[(B, n_kv)](*args, H=n_heads, NKV=n_kv, D=D, BL=BL,
+                                      GP=max(16, triton.next_power_of_2(n_heads // n_kv)), NORM=q_norm is not None,
+                                      PDL=p, num_warps=4, enable_fp_fusion=FP_FUSION, launch_pdl=p)
+        return out
     BL = min(triton.next_power_of_2(L), max(16, ATTN_TILE // D))  # cache positions per block
-    _rope_attention[(B, n_heads)](
-        qkv, cos, sin, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, kv, slots, m, out,
-        D ** -0.5, eps, L, qkv.stride(0), cos.stride(0), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        m.stride(0), H=n_heads, NKV=n_kv, D=D, BL=BL, NORM=q_norm is not None, PDL=(p := pdl(qkv.device)),
-        num_warps=4 if BL * D <= 8192 else 8, enable_fp_fusion=FP_FUSION, launch_pdl=p)
+    _rope_attention[(B, n_heads)](*args, H=n_heads, NKV=n_kv, D=D, BL=BL, NORM=q_norm is not None, PDL=p,
+                                  num_warps=4 if BL * D <= 8192 else 8, enable_fp_fusion=FP_FUSION, launch_pdl=p)
     return out
 
 

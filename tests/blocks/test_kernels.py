@@ -29,9 +29,12 @@ kernels.attention_usable = lambda dtype, device, D: kernels.ATTENTION
 out = {"project": [kernel_cases.check(kernels.project, "cpu", torch.float16, kernel_cases.CPU_SHAPES, s) for s in range(3)],
        "layer": [layer_cases.compare("cpu", torch.float16, qwen3=q, bias=b, seed=s, float_mask=f)
                  for s, (q, b, f) in enumerate([(False, False, False), (True, False, True), (False, True, True)])],
-       # one block holding the whole cache (the seed's), then 16-position blocks: three, row 1's first masked whole
-       "attention": [layer_cases.attention("cpu", torch.float16, qwen3=q, seed=s, block=blk)
-                     for s, (q, blk) in enumerate([(False, None), (True, None), (False, 16), (True, 16), (False, 32)])]}
+       # one block holding the whole cache (the seed's), then 16-position blocks: three, row 1's first
+       # masked whole; each with a program per query head, then per kv head (its heads in one tile)
+       "attention": [layer_cases.attention("cpu", torch.float16, qwen3=q, seed=s, block=blk, per_kv=kv)
+                     for s, (q, blk, kv) in enumerate([(False, None, False), (True, None, False), (False, 16, False),
+                                                        (True, 16, False), (False, 32, False), (False, None, True),
+                                                        (True, 16, True), (False, 16, True)])]}
 print(json.dumps(out))
 """
 
@@ -66,7 +69,7 @@ def test_fused_layer_matches_layer(interpreted):
 def test_rope_attention_writes_the_cache_and_is_within_one_ulp_of_sdpa(interpreted):
     for row in interpreted["attention"]:
         assert layer_cases.attention_ok(row), row
-    assert {row["block"] for row in interpreted["attention"]} == {None, 16, 32}
+    assert {(row["block"], row["per_kv"]) for row in interpreted["attention"]} >= {(None, False), (16, False), (None, True), (16, True)}
 
 
 def test_cpu_decoding_never_takes_the_kernels():

@@ -56,7 +56,7 @@ def attention(device: str, dtype, B: int = 3, H: int = 6, KV: int = 2, D: int = 
     ...). block: cache positions per rope_attention block (kernels.ATTN_TILE = block * D,
     ATTN_KV_BLOCK = block), so that it loops over several, the online softmax across them, one of
     them masked whole for row 1. per_kv: the kernel with a program per kv head (tensor-core products,
-    P V in tf32: P rounded to 10 bits, an error of 2**-11 of max |v| at most, within the ulp)."""
+    P rounded to the compute dtype for P V)."""
     from stages.blocks import kernels
 
     g = torch.Generator().manual_seed(seed)
@@ -95,7 +95,11 @@ def attention_ok(row: dict) -> bool:
     same code: the cache equal, the output within one ulp of max |v|. With them, each kernel sums a
     head's squares over its own number of warps (rope_cache one, rope_attention four or eight), so
     the normalised key and query may round one bf16/fp16 step apart: the cache within one ulp of its
-    largest value, and the output within 8 ulps of max |v| (a wrongly wired norm is O(1) off)."""
+    largest value, and the output within 8 ulps of max |v| (a wrongly wired norm is O(1) off). The
+    per-kv-head kernel rounds P to the compute dtype (half an ulp relative: at most half an ulp of
+    max |v| in the output, as flash attention), so its outputs are within the ulp but not mostly equal."""
     if row["qwen3"]:
         return row["cache"] <= row["eps"] and row["diff"] <= 8 * row["bound"]
+    if row["per_kv"]:  # P rounded: outputs round apart often (13% on the H200 with P in tf32), within the bound
+        return row["cache_equal"] and row["diff"] <= row["bound"]
     return row["cache_equal"] and row["diff"] <= row["bound"] and row["share"] < 0.05

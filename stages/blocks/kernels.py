@@ -52,6 +52,7 @@ ATTN_TILE = 16384
 # took 45 over the whole cache (results/2026-12-02-h200-387c904-decode-profile-b.md).
 ATTN_KV_ROWS = 16
 ATTN_KV_BLOCK = 64
+ATTN_KV_STAGES = 3  # blocks of the cache in flight per program (Triton's software pipelining of the loop)
 WARPS = None  # warps per program; None: one, and one more per 4,096 elements past that (wide K)
 # Programmatic dependent launch (Hopper and later, `pdl`): each kernel of the decode layer is launched
 # while the one before it still runs, issues the loads that do not depend on it (the weights: nothing
@@ -252,21 +253,17 @@ if triton is not None:
         # program (b, g): kv head g of row b and its G = H // NKV query heads, the rows of a [GP, D]
         # tile (G padded to tl.dot's 16): what _rope_attention does, with the scores and the weighted
         # sum of V as tensor-core products, so each kv head's cache is read once (many rows: the
-        # cache, not the launch, is the cost). Q K^T from the compute dtype into fp32; P V in tf32 (P
-        # rounded to 10 bits, V exact in it)
+        # cache, not the launch, is the cost). Q K^T from the compute dtype into fp32, P rounded to
+        # the compute dtype for P V (as flash attention rounds it); the new position's score and
+        # value from registers, outside the products
         b, g = tl.program_id(0), tl.program_id(1)
         G: tl.constexpr = H // NKV
         d, rl, rd, rg = tl.arange(0, D // 2), tl.arange(0, BL), tl.arange(0, D), tl.arange(0, GP)
-        slot = tl.load(SLOT)  # (the loads that need nothing from the kernel before, as in _rope_attention)
-        n = tl.minimum(slot + 1, L)
+        slot = tl.load(SLOT)  # (the loads that need nothing from the kernel before, as in _rope_attention;
+        n = tl.minimum(slot + 1, L)  # the cache's blocks come in the loop, where Triton pipelines them)
         c = tl.load(COS + b * s_cos + d).to(tl.float32)
         s = tl.load(SIN + b * s_cos + d).to(tl.float32)
         base = KV + b * s_kvb + g * s_kvh + rd[None, :]
-        pos = rl
-        old = ((pos < n) & (pos != slot))[:, None]
-        k = tl.load(base + pos[:, None] * s_kvl, mask=old, other=0.0)  # [BL, D]
-        v = tl.load(base + s_kvc + pos[:, None] * s_kvl, mask=old, other=0.0)
-        bias = tl.load(MASK + b * s_mb + pos, mask=pos < n, other=float("-inf")).to(tl.float32)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -285,24 +282,26 @@ if triton is not None:
         q1, q2 = _rotate(tl.load(qh, mask=qm, other=0.0), tl.load(qh + D // 2, mask=qm, other=0.0), QN,
                          c[None, :], s[None, :], d, eps, D, NORM)
         q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (GP, D))  # [GP, D], the compute dtype
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale  # [GP] the new position's scores
         m = tl.full((GP,), float("-inf"), tl.float32)
         den = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, D), tl.float32)
-        for _ in range(0, n, BL):
-            new = (pos == slot)[:, None]
-            sc = tl.dot(q, tl.trans(tl.where(new, k_new, k))) * scale + bias[None, :]  # [GP, BL] fp32
+        for start in range(0, n, BL):  # (the loads feed the products directly, so that Triton pipelines them)
+            pos = start + rl
+            old = (pos < n) & (pos != slot)
+            k = tl.load(base + pos[:, None] * s_kvl, mask=old[:, None], other=0.0)  # [BL, D]
+            v = tl.load(base + s_kvc + pos[:, None] * s_kvl, mask=old[:, None], other=0.0)
+            bias = tl.load(MASK + b * s_mb + pos, mask=pos < n, other=float("-inf")).to(tl.float32)
+            new = (pos == slot)[None, :]  # [1, BL]
+            sc = tl.where(new, s_new[:, None], tl.dot(q, tl.trans(k)) * scale) + bias[None, :]  # [GP, BL] fp32
             m_new = tl.maximum(m, tl.max(sc, 1))
             ref = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m - ref)
             p = tl.exp(sc - ref[:, None])
             den = den * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, tl.where(new, v_new, v).to(tl.float32), input_precision="tf32")
+            pv = tl.dot(p.to(v.dtype), v) + tl.sum(tl.where(new, p, 0.0), 1)[:, None] * v_new.to(tl.float32)
+            acc = acc * alpha[:, None] + pv
             m = m_new
-            pos += BL
-            old = ((pos < n) & (pos != slot))[:, None]
-            k = tl.load(base + pos[:, None] * s_kvl, mask=old, other=0.0)
-            v = tl.load(base + s_kvc + pos[:, None] * s_kvl, mask=old, other=0.0)
-            bias = tl.load(MASK + b * s_mb + pos, mask=pos < n, other=float("-inf")).to(tl.float32)
         tl.store(O + b * H * D + (g * G + rg)[:, None] * D + rd[None, :], (acc / den[:, None]).to(O.dtype.element_ty),
                  mask=qm)
 
@@ -406,7 +405,8 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_no
         BL = min(max(16, triton.next_power_of_2(L)), ATTN_KV_BLOCK)
         _rope_attention_kv[(B, n_kv)](*args, H=n_heads, NKV=n_kv, D=D, BL=BL,
                                       GP=max(16, triton.next_power_of_2(n_heads // n_kv)), NORM=q_norm is not None,
-                                      PDL=p, num_warps=4, enable_fp_fusion=FP_FUSION, launch_pdl=p)
+                                      PDL=p, num_warps=4, num_stages=ATTN_KV_STAGES, enable_fp_fusion=FP_FUSION,
+                                      launch_pdl=p)
         return out
     BL = min(triton.next_power_of_2(L), max(16, ATTN_TILE // D))  # cache positions per block
     _rope_attention[(B, n_heads)](*args, H=n_heads, NKV=n_kv, D=D, BL=BL, NORM=q_norm is not None, PDL=p,

@@ -385,7 +385,9 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_no
     position, and no row any position after it: the decode step's causal mask, so the kernel reads
     the cache only up to the slot). Writes the new K and V into kv as `rope_cache` does and returns
     the attention output [B, H * D]. SDPA (cuDNN) took ~6 us per layer at batch 4 on the H200
-    (2026-12-01 profile), and the rotary a kernel of its own."""
+    (2026-12-01 profile), and the rotary a kernel of its own. Up to ATTN_KV_ROWS rows a program per
+    query head (_rope_attention); past them a program per kv head with tensor-core products
+    (_rope_attention_kv; docs/architecture.md, "Fused decode projections")."""
     B = qkv.shape[0]
     D = qkv.shape[1] // (n_heads + 2 * n_kv)
     L = kv.shape[3]

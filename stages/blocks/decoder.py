@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import kernels, models
+from . import draw, kernels, models
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -307,7 +307,10 @@ def chunked_cumsum(p, chunk: int):
 
 
 def pick(logits, u, temperature, top_p, greedy, block_eos, eos):
-    """logits [B, V] -> (token [B], log-prob under the tempered distribution [B])."""
+    """logits [B, V] -> (token [B], log-prob under the tempered distribution [B]). On CUDA plain
+    sampling (no top-p, not greedy) is stages/blocks/draw.py's two kernels."""
+    if draw.usable(logits, greedy, top_p):
+        return draw.sample(logits, u, temperature, block_eos, eos)
     logits = logits.float()
     if block_eos is not None:  # min_new_tokens: EOS impossible before then (benchmarks)
         logits[:, eos] = torch.where(block_eos, float("-inf"), logits[:, eos])

@@ -1,0 +1,71 @@
+"""stages/blocks/draw.py on CPU through Triton's interpreter (TRITON_INTERPRET=1, read when the kernel
+is defined, hence a fresh process), 64-logit chunks so that each row spans several: the token drawn
+is the one whose interval of the fp64 CDF holds u (up to the fp32 rounding of the CDF), its
+log-probability is fp64's log-softmax to fp32 rounding, a blocked EOS is never drawn, nor a token of
+probability 0, and the bytes repeat."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = """
+import json, torch
+from stages.blocks import draw
+draw.CHUNK = 64
+g = torch.Generator().manual_seed(0)
+rows = []
+for V, T, scale in ((1000, 1.0, 3.0), (4096, 0.7, 1.0), (777, 1.3, 8.0)):
+    B = 6
+    logits = (torch.randn(B, V, generator=g) * scale).to(torch.bfloat16)
+    logits[1, 5:] = float("-inf")  # row 1: only tokens 0-4 possible (chunks of probability 0 after)
+    u = torch.rand(B, generator=g)
+    u[0], u[2] = 0.0, 1.0 - 2 ** -24  # the ends of the unit interval
+    block = torch.tensor([False, False, False, True, True, False])
+    eos = int(logits[3].float().argmax())  # row 3's likeliest token, blocked there
+    tok, lp = draw.sample(logits, u, T, block, eos)
+    tok2, lp2 = draw.sample(logits, u, T, block, eos)
+    x = logits.double() / T
+    x[block, eos] = float("-inf")
+    logp = torch.log_softmax(x, -1)
+    cdf = logp.exp().cumsum(-1)
+    for b in range(B):
+        t = int(tok[b])
+        lo = float(cdf[b, t - 1]) if t > 0 else 0.0
+        rows.append({"V": V, "b": b, "tok": t, "u": float(u[b]), "lo": lo, "hi": float(cdf[b, t]),
+                     "p": float(logp[b, t].exp()), "lp": float(lp[b]), "lp_ref": float(logp[b, t]),
+                     "blocked_eos": bool(block[b]) and t == eos, "repeat": bool(torch.equal(tok, tok2) and torch.equal(lp, lp2))})
+print(json.dumps(rows))
+"""
+
+
+@pytest.fixture(scope="module")
+def drawn():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.splitlines()[-1])
+
+
+def test_the_token_drawn_is_the_inverse_cdf_at_u(drawn):
+    assert len(drawn) == 18
+    for r in drawn:
+        # the fp32 CDF of V terms <= 1 is within V * 2**-24 of fp64's
+        tol = r["V"] * 2.0 ** -24
+        assert r["lo"] - tol <= r["u"] <= r["hi"] + tol, r
+        assert r["p"] > 0 and not r["blocked_eos"] and r["repeat"], r
+        assert abs(r["lp"] - r["lp_ref"]) <= 1e-5 * max(1.0, abs(r["lp_ref"])), r
+
+
+def test_the_ends_of_the_interval_and_the_masked_row(drawn):
+    by = {(r["V"], r["b"]): r for r in drawn}
+    for V in (1000, 4096, 777):
+        assert by[V, 1]["tok"] < 5  # only the first five tokens have probability
+        assert by[V, 0]["lo"] == 0.0 or by[V, 0]["p"] > 0  # u = 0: the first token of nonzero probability

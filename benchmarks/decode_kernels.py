@@ -7,12 +7,12 @@ replayed, per variant of stages/blocks/decoder.py:
   kernels    decoder.fused_layer uncompiled (the engine's default since the
              rotary kernel): each projection and the rotary/cache write one Triton kernel, no Inductor;
              takes the options of `fused` below, and kernels:sdpa = kernels.rope_cache and SDPA
-             instead of kernels.rope_attention; kernels:nopdl = plain launches, without programmatic
+             instead of decode_attention.rope_attention; kernels:nopdl = plain launches, without programmatic
              dependent launch, kernels.PDL; kernels:t8192 = rope_attention blocks of 8,192 cache
-             elements (kernels.ATTN_TILE); kernels:kv = rope_attention with a program per kv head at
-             any batch (kernels.ATTN_KV_ROWS 0), kernels:head = per query head at any batch;
-             kernels:b32 = 32 positions per block of the per-kv-head kernel (kernels.ATTN_KV_BLOCK),
-             kernels:p2 = its blocks in flight (kernels.ATTN_KV_STAGES). (kernels:tile, every input row loaded up front as one tile,
+             elements (decode_attention.ATTN_TILE); kernels:kv = rope_attention with a program per kv head at
+             any batch (decode_attention.ATTN_KV_ROWS 0), kernels:head = per query head at any batch;
+             kernels:b32 = 32 positions per block of the per-kv-head kernel (decode_attention.ATTN_KV_BLOCK),
+             kernels:p2 = its blocks in flight (decode_attention.ATTN_KV_STAGES). (kernels:tile, every input row loaded up front as one tile,
              lost to the row loop at 438257d, 1.240 against 1.207 ms, and is gone; kernels:grouped, one
              rope_attention program per kv head, lost at 7abd5a7, 1.019 against 0.909, and is gone)
   fused      decoder.fused_layer through torch.compile (the engine's default at dc11211, and past
@@ -53,11 +53,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from stages.blocks import decoder, draw, kernels, models
+from stages.blocks import decode_attention, decoder, draw, kernels, models
 
-SLAB, WARPS, ATTENTION, PDL, DRAW = kernels.SLAB, kernels.WARPS, kernels.ATTENTION, kernels.PDL, draw.ON
-ATTN_TILE, ATTN_KV_ROWS, ATTN_KV_BLOCK = kernels.ATTN_TILE, kernels.ATTN_KV_ROWS, kernels.ATTN_KV_BLOCK
-ATTN_KV_STAGES = kernels.ATTN_KV_STAGES  # (fused:...
+SLAB, WARPS, ATTENTION, PDL, DRAW = kernels.SLAB, kernels.WARPS, decode_attention.ATTENTION, kernels.PDL, draw.ON
+ATTN_TILE, ATTN_KV_ROWS, ATTN_KV_BLOCK = decode_attention.ATTN_TILE, decode_attention.ATTN_KV_ROWS, decode_attention.ATTN_KV_BLOCK
+ATTN_KV_STAGES = decode_attention.ATTN_KV_STAGES  # (fused:...
 # variants change them for their capture; put back after)
 
 SHAPES = {  # workload a (the seed) and b of benchmarks/systems.py: batch, prompt, new tokens
@@ -155,12 +155,12 @@ def _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, 
         if v.startswith(("fused", "kernels")):  # the kernels' settings, read at capture
             kernels.SLAB = next((int(o[1:]) for o in opts if o[0] == "s" and o[1:].isdigit()), SLAB)
             kernels.WARPS = next((int(o[1:]) for o in opts if o[0] == "w" and o[1:].isdigit()), WARPS)
-            kernels.ATTENTION = "sdpa" not in opts
+            decode_attention.ATTENTION = "sdpa" not in opts
             kernels.PDL = "nopdl" not in opts
-            kernels.ATTN_TILE = next((int(o[1:]) for o in opts if o[0] == "t" and o[1:].isdigit()), ATTN_TILE)
-            kernels.ATTN_KV_BLOCK = next((int(o[1:]) for o in opts if o[0] == "b" and o[1:].isdigit()), ATTN_KV_BLOCK)
-            kernels.ATTN_KV_STAGES = next((int(o[1:]) for o in opts if o[0] == "p" and o[1:].isdigit()), ATTN_KV_STAGES)
-            kernels.ATTN_KV_ROWS = 0 if "kv" in opts else 1 << 30 if "head" in opts else ATTN_KV_ROWS
+            decode_attention.ATTN_TILE = next((int(o[1:]) for o in opts if o[0] == "t" and o[1:].isdigit()), ATTN_TILE)
+            decode_attention.ATTN_KV_BLOCK = next((int(o[1:]) for o in opts if o[0] == "b" and o[1:].isdigit()), ATTN_KV_BLOCK)
+            decode_attention.ATTN_KV_STAGES = next((int(o[1:]) for o in opts if o[0] == "p" and o[1:].isdigit()), ATTN_KV_STAGES)
+            decode_attention.ATTN_KV_ROWS = 0 if "kv" in opts else 1 << 30 if "head" in opts else ATTN_KV_ROWS
         if v.startswith("kernels"):
             fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, decoder.fused_layer))  # noqa: E731
         elif v == "eager":
@@ -203,10 +203,10 @@ def run_shape(name: str, deadline: float, reps: int, variants: list[str]) -> dic
         _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, variants)
     finally:
         decoder.F.linear = orig_linear  # (torch.nn.functional itself: put back whatever happened)
-        kernels.SLAB, kernels.WARPS, kernels.ATTENTION, kernels.PDL = SLAB, WARPS, ATTENTION, PDL
-        kernels.ATTN_TILE, kernels.ATTN_KV_ROWS, kernels.ATTN_KV_BLOCK = ATTN_TILE, ATTN_KV_ROWS, ATTN_KV_BLOCK
+        kernels.SLAB, kernels.WARPS, decode_attention.ATTENTION, kernels.PDL = SLAB, WARPS, ATTENTION, PDL
+        decode_attention.ATTN_TILE, decode_attention.ATTN_KV_ROWS, decode_attention.ATTN_KV_BLOCK = ATTN_TILE, ATTN_KV_ROWS, ATTN_KV_BLOCK
         draw.ON = DRAW
-        kernels.ATTN_KV_STAGES = ATTN_KV_STAGES
+        decode_attention.ATTN_KV_STAGES = ATTN_KV_STAGES
     ref = res["variants"].get("eager", {}).get("logits")
     for row in res["variants"].values():
         lg = row.pop("logits", None)

@@ -47,17 +47,17 @@ def compare(device: str, dtype, B: int = 3, H: int = 4, KV: int = 2, D: int = 16
 
 def attention(device: str, dtype, B: int = 3, H: int = 6, KV: int = 2, D: int = 16, L: int = 40,
               qwen3: bool = False, seed: int = 0, block: int | None = None, per_kv: bool = False) -> dict:
-    """kernels.rope_attention against kernels.rope_cache (the same per-head norm and rotary code,
+    """decode_attention.rope_attention against kernels.rope_cache (the same per-head norm and rotary code,
     so the same q and the same cache writes, which must be equal) followed by SDPA computed in fp32
     and rounded once: the output is a convex combination of V's rows, and both sides compute it in
     fp32 (errors ~L 2**-24 of max |v|), so after rounding they differ by at most one ulp of max |v|
     (eps * max |v|). The mask is the engine's: each row's keys from its left padding up to the new
     token's slot, 3 before the cache's end (rows' padding 0, 17: more than a 16-position block, 5,
-    ...). block: cache positions per rope_attention block (kernels.ATTN_TILE = block * D,
+    ...). block: cache positions per rope_attention block (decode_attention.ATTN_TILE = block * D,
     ATTN_KV_BLOCK = block), so that it loops over several, the online softmax across them, one of
     them masked whole for row 1. per_kv: the kernel with a program per kv head (tensor-core products,
     P rounded to the compute dtype for P V)."""
-    from stages.blocks import kernels
+    from stages.blocks import decode_attention, kernels
 
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(B, (H + 2 * KV) * D, generator=g).to(device, dtype)
@@ -74,14 +74,14 @@ def attention(device: str, dtype, B: int = 3, H: int = 6, KV: int = 2, D: int = 
     mask = decoder.additive_mask(keep[:, None, None], dtype)  # [B, 1, 1, L]
     kv_ref, kv_got = kv.clone(), kv.clone()
     q = kernels.rope_cache(qkv, cos, sin, *norms, kv_ref, slots, H, KV, 1e-6)  # [B, H, 1, D]
-    knobs = kernels.ATTN_TILE, kernels.ATTN_KV_BLOCK, kernels.ATTN_KV_ROWS
+    knobs = decode_attention.ATTN_TILE, decode_attention.ATTN_KV_BLOCK, decode_attention.ATTN_KV_ROWS
     if block:
-        kernels.ATTN_TILE, kernels.ATTN_KV_BLOCK = block * D, block
-    kernels.ATTN_KV_ROWS = 0 if per_kv else B
+        decode_attention.ATTN_TILE, decode_attention.ATTN_KV_BLOCK = block * D, block
+    decode_attention.ATTN_KV_ROWS = 0 if per_kv else B
     try:
-        got = kernels.rope_attention(qkv, cos, sin, *norms, kv_got, slots, mask, H, KV, 1e-6).float()  # [B, H*D]
+        got = decode_attention.rope_attention(qkv, cos, sin, *norms, kv_got, slots, mask, H, KV, 1e-6).float()  # [B, H*D]
     finally:
-        kernels.ATTN_TILE, kernels.ATTN_KV_BLOCK, kernels.ATTN_KV_ROWS = knobs
+        decode_attention.ATTN_TILE, decode_attention.ATTN_KV_BLOCK, decode_attention.ATTN_KV_ROWS = knobs
     ref = F.scaled_dot_product_attention(q.float(), kv_ref[0].float(), kv_ref[1].float(), attn_mask=mask.float(),
                                          enable_gqa=KV != H).to(dtype).float().reshape(B, H * D)
     return {"diff": float((got - ref).abs().max()), "bound": torch.finfo(dtype).eps * float(kv_ref[1].float().abs().max()),

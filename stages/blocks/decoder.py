@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import draw, kernels, models
+from . import decode_attention, draw, kernels, models
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -179,12 +179,12 @@ def attend(qkv, w, kv, cos, sin, mask, slots, H, KV, D, eps):
 
 
 def kernel_attend(qkv, w, kv, cos, sin, mask, slots, H, KV, D, eps):
-    """`attend` through `kernels.rope_attention` where it serves (one new token per row, the float
-    mask `forward` makes on CUDA, kernels.attention_usable): per-head norms, rotary, the cache writes
+    """`attend` through `decode_attention.rope_attention` where it serves (one new token per row, the float
+    mask `forward` makes on CUDA, decode_attention.usable): per-head norms, rotary, the cache writes
     and attention over the live positions in one kernel. Otherwise `attend`."""
     B, T = qkv.shape[:2]
-    if T == 1 and mask.is_floating_point() and kernels.attention_usable(qkv.dtype, qkv.device, D):
-        return kernels.rope_attention(qkv.reshape(B, -1), cos, sin, w["q_norm"], w["k_norm"], kv, slots, mask,
+    if T == 1 and mask.is_floating_point() and decode_attention.usable(qkv.dtype, qkv.device, D):
+        return decode_attention.rope_attention(qkv.reshape(B, -1), cos, sin, w["q_norm"], w["k_norm"], kv, slots, mask,
                                       H, KV, eps).view(B, 1, H * D)
     return attend(qkv, w, kv, cos, sin, mask, slots, H, KV, D, eps)
 
@@ -210,7 +210,7 @@ def fused_layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
     """`layer` for a decode step of at most kernels.MAX_ROWS rows on CUDA (kernels.usable): four
     `kernels.project` launches do the projections with the RMSNorms, the SiLU gate and the residual
     adds folded in, and for one new token per row `kernel_attend` does what `attend` does (per-head
-    norms, rotary, the cache writes, SDPA's work; with kernels.ATTENTION off, `kernels.rope_cache`
+    norms, rotary, the cache writes, SDPA's work; with decode_attention.ATTENTION off, `kernels.rope_cache`
     all of it before SDPA): no kernel is left for Inductor, so the engine runs it uncompiled
     (docs/architecture.md, "fused decode projections"). Past MAX_ROWS rows (workload b's 64) it is
     `layer` with `kernel_attend`, for the engine to compile around cuBLAS. Every residual add
@@ -222,7 +222,7 @@ def fused_layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
         return layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act, attention=kernel_attend)
     x = x.view(B * T, E)
     qkv = kernels.project(x, w["qkv"], w["ln1"], w["qkv_bias"], None, eps, False)  # [B*T, (H+2KV)*D]
-    if T == 1 and not (mask.is_floating_point() and kernels.attention_usable(x.dtype, x.device, D)):
+    if T == 1 and not (mask.is_floating_point() and decode_attention.usable(x.dtype, x.device, D)):
         q = kernels.rope_cache(qkv, cos, sin, w["q_norm"], w["k_norm"], kv, slots, H, KV, eps)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, enable_gqa=KV != H)
         o = o.transpose(1, 2).reshape(B * T, H * D)

@@ -37,7 +37,7 @@ def test_fused_layer_matches_layer_bf16():
 def test_rope_attention_bf16_writes_the_cache_and_is_within_one_ulp_of_sdpa():
     # the seed's cache in one block, Qwen3's heads over several (its cache of 640 in five of 128), and
     # 16-position blocks where row 1's first is masked whole
-    # and each with a program per kv head (the kernel past kernels.ATTN_KV_ROWS rows)
+    # and each with a program per kv head (the kernel past decode_attention.ATTN_KV_ROWS rows)
     for seed, (H, KV, D, L, q, blk) in enumerate([(15, 5, 64, 192, False, None), (16, 8, 128, 640, True, None),
                                                   (6, 2, 64, 40, False, 16), (16, 8, 128, 128, True, 16)]):
         for per_kv in (False, True):

@@ -67,6 +67,17 @@ SHAPES = {  # workload a (the seed) and b of benchmarks/systems.py: batch, promp
 VARIANTS = ("compiled", "kernels", "fused", "stack", "eager", "window", "wt", "autotune")
 
 
+def set_knobs(opts: list[str]) -> None:
+    """The kernels' settings a variant's options name (see the top), the defaults for the rest."""
+    num = lambda c, d: next((int(o[1:]) for o in opts if o[:1] == c and o[1:].isdigit()), d)  # noqa: E731
+    kernels.SLAB, kernels.WARPS, kernels.PDL = num("s", SLAB), num("w", WARPS), PDL and "nopdl" not in opts
+    decode_attention.ATTENTION = ATTENTION and "sdpa" not in opts
+    decode_attention.ATTN_TILE, decode_attention.ATTN_KV_BLOCK = num("t", ATTN_TILE), num("b", ATTN_KV_BLOCK)
+    decode_attention.ATTN_KV_STAGES = num("p", ATTN_KV_STAGES)
+    decode_attention.ATTN_KV_ROWS = 0 if "kv" in opts else 1 << 30 if "head" in opts else ATTN_KV_ROWS
+    draw.ON = DRAW and "nodraw" not in opts
+
+
 def linear_t(x, w, b=None):
     """F.linear as w @ x^T, transposed back (a view: consumers read it strided)."""
     y = (w @ x.reshape(-1, x.shape[-1]).T).T.reshape(*x.shape[:-1], w.shape[0])
@@ -151,16 +162,7 @@ def _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, 
         decoder.F.linear = linear_t if v == "wt" else orig_linear  # (torch.nn.functional itself, for this variant)
         st = state(W, B, P, N, live)
         opts = v.split(":")[1:]
-        draw.ON = DRAW and "nodraw" not in opts  # (the draw of its step)
-        if v.startswith(("fused", "kernels")):  # the kernels' settings, read at capture
-            kernels.SLAB = next((int(o[1:]) for o in opts if o[0] == "s" and o[1:].isdigit()), SLAB)
-            kernels.WARPS = next((int(o[1:]) for o in opts if o[0] == "w" and o[1:].isdigit()), WARPS)
-            decode_attention.ATTENTION = "sdpa" not in opts
-            kernels.PDL = "nopdl" not in opts
-            decode_attention.ATTN_TILE = next((int(o[1:]) for o in opts if o[0] == "t" and o[1:].isdigit()), ATTN_TILE)
-            decode_attention.ATTN_KV_BLOCK = next((int(o[1:]) for o in opts if o[0] == "b" and o[1:].isdigit()), ATTN_KV_BLOCK)
-            decode_attention.ATTN_KV_STAGES = next((int(o[1:]) for o in opts if o[0] == "p" and o[1:].isdigit()), ATTN_KV_STAGES)
-            decode_attention.ATTN_KV_ROWS = 0 if "kv" in opts else 1 << 30 if "head" in opts else ATTN_KV_ROWS
+        set_knobs(opts)  # (read when the step is captured)
         if v.startswith("kernels"):
             fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, decoder.fused_layer))  # noqa: E731
         elif v == "eager":
@@ -203,9 +205,7 @@ def run_shape(name: str, deadline: float, reps: int, variants: list[str]) -> dic
         _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, variants)
     finally:
         decoder.F.linear = orig_linear  # (torch.nn.functional itself: put back whatever happened)
-        kernels.SLAB, kernels.WARPS, decode_attention.ATTENTION, kernels.PDL = SLAB, WARPS, ATTENTION, PDL
-        decode_attention.ATTN_TILE, decode_attention.ATTN_KV_ROWS, decode_attention.ATTN_KV_BLOCK = ATTN_TILE, ATTN_KV_ROWS, ATTN_KV_BLOCK
-        draw.ON = DRAW
+        set_knobs([])  # (whatever happened)
         decode_attention.ATTN_KV_STAGES = ATTN_KV_STAGES
     ref = res["variants"].get("eager", {}).get("logits")
     for row in res["variants"].values():

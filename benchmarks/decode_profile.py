@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import decode_kernels as dk
-from stages.blocks import decode_attention, decoder, models
+from stages.blocks import decoder, models
 
 
 def main() -> None:
@@ -30,10 +30,7 @@ def main() -> None:
         torch._dynamo.reset()
         models.compile_settings()
         opts = v.split(":")[1:]
-        decode_attention.ATTN_TILE = next((int(o[1:]) for o in opts if o[0] == "t" and o[1:].isdigit()), dk.ATTN_TILE)
-        decode_attention.ATTN_KV_BLOCK = next((int(o[1:]) for o in opts if o[0] == "b" and o[1:].isdigit()), dk.ATTN_KV_BLOCK)
-        decode_attention.ATTN_KV_STAGES = next((int(o[1:]) for o in opts if o[0] == "p" and o[1:].isdigit()), dk.ATTN_KV_STAGES)
-        decode_attention.ATTN_KV_ROWS = 0 if "kv" in opts else 1 << 30 if "head" in opts else dk.ATTN_KV_ROWS
+        dk.set_knobs(opts)
         st = dk.state(W, B, P, N, P + N // 2 + 1)
         layer = {"eager": decoder.layer, "kernels": decoder.fused_layer}.get(v.split(":")[0])
         if layer is None:
@@ -49,8 +46,7 @@ def main() -> None:
                 for _ in range(args.steps):
                     g.replay()
                 torch.cuda.synchronize()
-        decode_attention.ATTN_TILE, decode_attention.ATTN_KV_ROWS, decode_attention.ATTN_KV_BLOCK = dk.ATTN_TILE, dk.ATTN_KV_ROWS, dk.ATTN_KV_BLOCK
-        decode_attention.ATTN_KV_STAGES = dk.ATTN_KV_STAGES
+        dk.set_knobs([])
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
         lines += [f"## {v}: {ms:.4f} ms per step (events timing)", "", "```", table, "```", ""]
         print(lines[-4], flush=True)

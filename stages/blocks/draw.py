@@ -39,7 +39,8 @@ if triton is not None:
     @triton.jit
     def _logit(X, BLOCK_EOS, r, idx, V, sx, temperature, eos, HAS_EOS: tl.constexpr):
         """Row r's logits at idx [C] in fp32 over the temperature, -inf past V and at a blocked EOS."""
-        x = tl.load(X + r * sx + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        x = tl.load(X + r.to(tl.int64) * sx + idx, mask=idx < V, other=float("-inf")).to(tl.float32)  # (64-bit:
+        # hf_generate's prompt-step logits [B, P, V] have rows P x V apart)
         if HAS_EOS:
             x = tl.where((idx == eos) & (tl.load(BLOCK_EOS + r) != 0), float("-inf"), x)
         return x / temperature
@@ -65,7 +66,9 @@ if triton is not None:
         cum = tl.cumsum(w, 0)  # nondecreasing: the CDF at each chunk's end
         total = tl.max(cum, 0)
         target = tl.load(U + r) * total
-        j = tl.min(tl.where((cum >= target) & (w > 0), rc, NC - 1), 0)  # the chunk the target falls in
+        # the chunk the target falls in; should rounding leave the target past every running sum (the
+        # parallel scan may round a trailing chunk of weight 0 above the last one), the last chunk of weight > 0
+        j = tl.min(tl.where((cum >= target) & (w > 0), rc, tl.max(tl.where(w > 0, rc, 0), 0)), 0)
         before = tl.sum(tl.where(rc == j - 1, cum, 0.0), 0)  # the CDF at the end of the chunk before (one term)
         idx = j * C + tl.arange(0, C)
         x = _logit(X, BLOCK_EOS, r, idx, V, sx, temperature, eos, HAS_EOS)

@@ -35,6 +35,9 @@ out = {"project": [kernel_cases.check(kernels.project, "cpu", torch.float16, ker
                      for s, (q, blk, kv) in enumerate([(False, None, False), (True, None, False), (False, 16, False),
                                                         (True, 16, False), (False, 32, False), (False, None, True),
                                                         (True, 16, True), (False, 16, True)])]}
+# the new token at a block's first and last position (16-position blocks)
+out["attention"] += [layer_cases.attention("cpu", torch.float16, seed=9 + s, block=16, per_kv=kv, slot=slot)
+                     for s, (slot, kv) in enumerate([(32, False), (31, False), (32, True), (31, True)])]
 print(json.dumps(out))
 """
 

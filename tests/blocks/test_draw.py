@@ -6,15 +6,9 @@ would hold nearly all of its chunk's mass), nor a token of probability 0 (u = 0 
 of probability 0; a row of five possible tokens), one chunk or several, and the bytes repeat."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+import interpreter  # (tests/)
 
 SCRIPT = """
 import json, torch
@@ -51,11 +45,7 @@ print(json.dumps(rows))
 
 @pytest.fixture(scope="module")
 def drawn():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.splitlines()[-1])
+    return interpreter.run(SCRIPT)
 
 
 def test_the_token_drawn_is_the_inverse_cdf_at_u(drawn):

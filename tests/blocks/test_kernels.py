@@ -4,19 +4,13 @@ derived in tests/kernel_cases.py, and decoder.fused_layer against decoder.layer.
 interpreter rounds to bf16 by truncation, unlike the GPU (bf16 runs in tests/gpu/test_gpu_kernels.py)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from stages.blocks import decoder, kernels
+import interpreter  # (tests/)
 import layer_cases  # (tests/: the rows the interpreter subprocess computes are judged here)
-
-ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import json, sys
@@ -44,11 +38,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def interpreted():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.splitlines()[-1])
+    return interpreter.run(SCRIPT)
 
 
 def test_project_within_its_derived_bounds(interpreted):

@@ -154,11 +154,12 @@ if triton is not None:
                  mask=qm)
 
 
-def usable(dtype, device, D: int) -> bool:
-    """Whether `rope_attention` serves a decode step's attention: Triton on CUDA, a 16-bit dtype and a
-    power-of-two head dim (any cache length: it loops over the cache in blocks)."""
-    return (ATTENTION and triton is not None and torch.device(device).type == "cuda"
-            and dtype in (torch.bfloat16, torch.float16) and D & (D - 1) == 0)
+def usable(T: int, mask: torch.Tensor, dtype, device, D: int) -> bool:
+    """Whether `rope_attention` serves this attention: one new token per row (T == 1), the additive
+    float mask decoder.forward makes on CUDA, Triton on CUDA, a 16-bit dtype and a power-of-two head
+    dim (any cache length: it loops over the cache in blocks)."""
+    return (ATTENTION and T == 1 and mask.is_floating_point() and triton is not None
+            and torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16) and D & (D - 1) == 0)
 
 
 @torch.library.custom_op("opd::rope_attention", mutates_args=("kv",))

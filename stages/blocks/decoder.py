@@ -183,7 +183,7 @@ def kernel_attend(qkv, w, kv, cos, sin, mask, slots, H, KV, D, eps):
     mask `forward` makes on CUDA, decode_attention.usable): per-head norms, rotary, the cache writes
     and attention over the live positions in one kernel. Otherwise `attend`."""
     B, T = qkv.shape[:2]
-    if T == 1 and mask.is_floating_point() and decode_attention.usable(qkv.dtype, qkv.device, D):
+    if decode_attention.usable(T, mask, qkv.dtype, qkv.device, D):
         return decode_attention.rope_attention(qkv.reshape(B, -1), cos, sin, w["q_norm"], w["k_norm"], kv, slots, mask,
                                       H, KV, eps).view(B, 1, H * D)
     return attend(qkv, w, kv, cos, sin, mask, slots, H, KV, D, eps)
@@ -222,7 +222,7 @@ def fused_layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
         return layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act, attention=kernel_attend)
     x = x.view(B * T, E)
     qkv = kernels.project(x, w["qkv"], w["ln1"], w["qkv_bias"], None, eps, False)  # [B*T, (H+2KV)*D]
-    if T == 1 and not (mask.is_floating_point() and decode_attention.usable(x.dtype, x.device, D)):
+    if T == 1 and not decode_attention.usable(T, mask, x.dtype, x.device, D):  # (decode_kernels ':sdpa')
         q = kernels.rope_cache(qkv, cos, sin, w["q_norm"], w["k_norm"], kv, slots, H, KV, eps)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, enable_gqa=KV != H)
         o = o.transpose(1, 2).reshape(B * T, H * D)

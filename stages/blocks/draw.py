@@ -91,9 +91,8 @@ def sample(logits: torch.Tensor, u: torch.Tensor, temperature: float, block_eos,
     sc = torch.empty_like(mc)
     tok = torch.empty(B, dtype=torch.long, device=logits.device)
     lp = torch.empty(B, dtype=torch.float32, device=logits.device)
-    blk = block_eos if block_eos is not None else u  # (a pointer HAS_EOS leaves unread)
-    if block_eos is not None:
-        blk = block_eos.to(torch.int8).contiguous()
+    # one flag per row in memory (the engine's is an expanded scalar); u: a pointer HAS_EOS leaves unread
+    blk = block_eos.to(torch.int8).contiguous() if block_eos is not None else u
     _chunk_stats[(B, NC)](logits, blk, mc, sc, V, logits.stride(0), float(temperature), eos, NC, C=CHUNK,
                           HAS_EOS=block_eos is not None, num_warps=4)
     _pick[(B,)](logits, blk, mc, sc, u, tok, lp, V, logits.stride(0), float(temperature), eos, NC,

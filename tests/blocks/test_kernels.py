@@ -19,7 +19,7 @@ import torch
 from stages.blocks import decode_attention, kernels
 import kernel_cases, layer_cases
 kernels.usable = lambda rows, dtype, device, act: True  # (CPU tensors: the interpreter runs the kernel)
-decode_attention.usable = lambda dtype, device, D: decode_attention.ATTENTION
+decode_attention.usable = lambda T, mask, dtype, device, D: decode_attention.ATTENTION and T == 1 and mask.is_floating_point()
 out = {"project": [kernel_cases.check(kernels.project, "cpu", torch.float16, kernel_cases.CPU_SHAPES, s) for s in range(3)],
        "layer": [layer_cases.compare("cpu", torch.float16, qwen3=q, bias=b, seed=s, float_mask=f)
                  for s, (q, b, f) in enumerate([(False, False, False), (True, False, True), (False, True, True)])],

@@ -66,6 +66,14 @@ def test_compiled_decode_step_launches_the_kernels():
     assert any("_rope_attention" in n for n in names), sorted(names)[:40]  # (the float mask and a cache that fits)
     b = eng.generate(PROMPTS, 8, eos=2, pad=2, seed=3)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+    assert any("_chunk_stats" in n for n in names) and any("_pick" in n for n in names)  # the draw (draw.py)
+    many = PROMPTS * 6  # 18 rows, past kernels.MAX_ROWS: the compiled cuBLAS layer with rope_attention per kv head
+    eng.generate(many, 8, eos=2, pad=2, seed=3)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        eng.generate(many, 8, eos=2, pad=2, seed=3)
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    assert any("_rope_attention_kv" in n for n in names), sorted(names)[:40]
 
 
 def test_fast_step_over_in_place_weights_samples_what_the_copy_does():

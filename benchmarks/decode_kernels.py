@@ -7,11 +7,17 @@ replayed, per variant of stages/blocks/decoder.py:
   kernels    decoder.fused_layer uncompiled (the engine's default since the
              rotary kernel): each projection and the rotary/cache write one Triton kernel, no Inductor;
              takes the options of `fused` below, and kernels:sdpa = kernels.rope_cache and SDPA
-             instead of kernels.rope_attention; kernels:nopdl = plain launches, without programmatic
-             dependent launch, kernels.PDL; kernels:grouped = one rope_attention program per kv head,
-             looping over its query heads, kernels.ATTN_HEADS. (kernels:tile, every input row loaded
-             up front as one tile, lost to the row loop at 438257d, 1.240 against 1.207 ms, and is gone)
-  fused      decoder.fused_layer through torch.compile (the engine's default at dc11211): the projections
+             instead of decode_attention.rope_attention; kernels:nopdl = plain launches, without programmatic
+             dependent launch, kernels.PDL; kernels:t8192 = rope_attention blocks of 8,192 cache
+             elements (decode_attention.ATTN_TILE); kernels:kv = rope_attention with a program per kv head at
+             any batch (decode_attention.ATTN_KV_ROWS 0), kernels:head = per query head at any batch;
+             kernels:b32 = 32 positions per block of the per-kv-head kernel (decode_attention.ATTN_KV_BLOCK),
+             kernels:p2 = its blocks in flight (decode_attention.ATTN_KV_STAGES). (kernels:tile, every input row loaded up front as one tile,
+             lost to the row loop at 438257d, 1.240 against 1.207 ms, and is gone; kernels:grouped, one
+             rope_attention program per kv head, lost at 7abd5a7, 1.019 against 0.909, and is gone)
+  fused      decoder.fused_layer through torch.compile (the engine's default at dc11211, and past
+             kernels.MAX_ROWS rows, workload b, today: there it is decoder.layer with rope_attention
+             for the attention, around cuBLAS's matmuls): the projections
              as stages/blocks/kernels.py's `project` launches, RMSNorm, SiLU gate and residual adds
              folded in. Options after colons: fused:w1:s2048 = one warp per program (kernels.WARPS),
              2,048 weight elements per program (kernels.SLAB)
@@ -24,7 +30,8 @@ replayed, per variant of stages/blocks/decoder.py:
              length-bucketed decode graph would read instead of the whole static cache)
   stack      the whole step's forward (all layers and the head) as one compilation, so that Inductor
              may fuse across layer boundaries (the engine compiles one layer and calls it per layer)
-and the draw alone (decoder.pick) eager against compiled. (Matmuls and attention as reductions
+and the draw alone (decoder.pick): stages/blocks/draw.py's kernels, torch's passes eager, and compiled.
+A kernels or fused variant with ':nodraw' draws with torch's passes (draw.ON), e.g. kernels:nodraw. (Matmuls and attention as reductions
 for Inductor, `rows`, were measured at a483038 and lost: results/2026-12-01-h200-decode-kernels-rows.md;
 a hand-written Triton matmul for the step's few rows, `skinny`, at 7fbcb21 and lost to cuBLAS at
 every setting at the seed (batch 4) shapes: -decode-kernels-skinny.md. At 11f8aee, seed shapes:
@@ -46,16 +53,29 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from stages.blocks import decoder, kernels, models
+from stages.blocks import decode_attention, decoder, draw, kernels, models
 
-SLAB, WARPS, ATTENTION, PDL = kernels.SLAB, kernels.WARPS, kernels.ATTENTION, kernels.PDL
-ATTN_HEADS = kernels.ATTN_HEADS  # (fused:... variants change them for their capture; put back after)
+SLAB, WARPS, ATTENTION, PDL, DRAW = kernels.SLAB, kernels.WARPS, decode_attention.ATTENTION, kernels.PDL, draw.ON
+ATTN_TILE, ATTN_KV_ROWS, ATTN_KV_BLOCK = decode_attention.ATTN_TILE, decode_attention.ATTN_KV_ROWS, decode_attention.ATTN_KV_BLOCK
+ATTN_KV_STAGES = decode_attention.ATTN_KV_STAGES  # (fused:...
+# variants change them for their capture; put back after)
 
 SHAPES = {  # workload a (the seed) and b of benchmarks/systems.py: batch, prompt, new tokens
     "a": ("smollm2-360m", 4, 128, 64),
     "b": ("qwen3-0.6b", 64, 128, 512),
 }
 VARIANTS = ("compiled", "kernels", "fused", "stack", "eager", "window", "wt", "autotune")
+
+
+def set_knobs(opts: list[str]) -> None:
+    """The kernels' settings a variant's options name (see the top), the defaults for the rest."""
+    num = lambda c, d: next((int(o[1:]) for o in opts if o[:1] == c and o[1:].isdigit()), d)  # noqa: E731
+    kernels.SLAB, kernels.WARPS, kernels.PDL = num("s", SLAB), num("w", WARPS), PDL and "nopdl" not in opts
+    decode_attention.ATTENTION = ATTENTION and "sdpa" not in opts
+    decode_attention.ATTN_TILE, decode_attention.ATTN_KV_BLOCK = num("t", ATTN_TILE), num("b", ATTN_KV_BLOCK)
+    decode_attention.ATTN_KV_STAGES = num("p", ATTN_KV_STAGES)
+    decode_attention.ATTN_KV_ROWS = 0 if "kv" in opts else 1 << 30 if "head" in opts else ATTN_KV_ROWS
+    draw.ON = DRAW and "nodraw" not in opts
 
 
 def linear_t(x, w, b=None):
@@ -142,12 +162,7 @@ def _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, 
         decoder.F.linear = linear_t if v == "wt" else orig_linear  # (torch.nn.functional itself, for this variant)
         st = state(W, B, P, N, live)
         opts = v.split(":")[1:]
-        if v.startswith(("fused", "kernels")):  # the kernels' settings, read at capture
-            kernels.SLAB = next((int(o[1:]) for o in opts if o[0] == "s" and o[1:].isdigit()), SLAB)
-            kernels.WARPS = next((int(o[1:]) for o in opts if o[0] == "w" and o[1:].isdigit()), WARPS)
-            kernels.ATTENTION = "sdpa" not in opts
-            kernels.PDL = "nopdl" not in opts
-            kernels.ATTN_HEADS = None if "grouped" in opts else ATTN_HEADS
+        set_knobs(opts)  # (read when the step is captured)
         if v.startswith("kernels"):
             fn = lambda: step_fn(W, st, lambda: logits_fn(W, st, decoder.fused_layer))  # noqa: E731
         elif v == "eager":
@@ -190,15 +205,15 @@ def run_shape(name: str, deadline: float, reps: int, variants: list[str]) -> dic
         _variants(W, res, name, B, P, N, live, window, reps, deadline, orig_linear, variants)
     finally:
         decoder.F.linear = orig_linear  # (torch.nn.functional itself: put back whatever happened)
-        kernels.SLAB, kernels.WARPS, kernels.ATTENTION, kernels.PDL = SLAB, WARPS, ATTENTION, PDL
-        kernels.ATTN_HEADS = ATTN_HEADS
+        set_knobs([])  # (whatever happened)
+        decode_attention.ATTN_KV_STAGES = ATTN_KV_STAGES
     ref = res["variants"].get("eager", {}).get("logits")
     for row in res["variants"].values():
         lg = row.pop("logits", None)
         if lg is not None and ref is not None:
             row["max_abs_logit_diff_vs_eager"] = float((lg - ref).abs().max())
             row["argmax_agree_vs_eager"] = float((lg.argmax(-1) == ref.argmax(-1)).float().mean())
-    # the draw alone: eager kernels against one compiled function, both captured
+    # the draw alone: stages/blocks/draw.py's kernels, torch's passes eager, and those compiled, each captured
     V = W["head"].shape[0]
     g = torch.Generator(device="cuda").manual_seed(1)
     logits = torch.randn(B, V, generator=g, device="cuda") * 3
@@ -206,12 +221,16 @@ def run_shape(name: str, deadline: float, reps: int, variants: list[str]) -> dic
     torch._dynamo.reset()
     models.compile_settings()  # (deterministic again after the autotune variant)
     cpick = torch.compile(decoder.pick, fullgraph=True, dynamic=False)
-    for label, f in (("pick_eager", decoder.pick), ("pick_compiled", cpick)):
+    for label, f, on in (("pick_kernel", decoder.pick, True), ("pick_eager", decoder.pick, False),
+                         ("pick_compiled", cpick, False)):
+        draw.ON = on
         try:
             first, ms, (tok, lp) = timed_graph(lambda: f(logits, u, 1.0, 1.0, False, None, 0), reps)  # noqa: B023
         except Exception as e:  # noqa: BLE001
             res[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", "ms": None, "tokens": None}
             continue
+        finally:
+            draw.ON = DRAW
         res[label] = {"first_call_s": round(first, 2), "ms": round(ms, 4), "tokens": tok.tolist()[:8],
                       "logprobs": [round(x, 5) for x in lp.tolist()[:8]]}
     return res
@@ -248,9 +267,11 @@ def main() -> None:
                 continue
             lines.append(f"| {v} | {row['ms_per_step']} | {row['tok_per_s']} | {row['first_call_s']} | "
                          f"{row.get('max_abs_logit_diff_vs_eager', '')} | {row.get('argmax_agree_vs_eager', '')} |")
-        pe, pc = r["pick_eager"], r["pick_compiled"]
-        same = f"same tokens: {pe['tokens'] == pc['tokens']}" if pc.get("tokens") else pc.get("error", "")
-        lines += ["", f"draw alone: eager {pe['ms']} ms, compiled {pc['ms']} ms ({same})", ""]
+        pk, pe, pc = r["pick_kernel"], r["pick_eager"], r["pick_compiled"]
+        same = {k: (x["tokens"] == pe["tokens"] if x.get("tokens") else x.get("error", "")) for k, x in
+                (("kernel", pk), ("compiled", pc))}
+        lines += ["", f"draw alone: kernels {pk['ms']} ms, torch eager {pe['ms']} ms, compiled {pc['ms']} ms "
+                      f"(the first 8 tokens the same as eager's: {same})", ""]
     (Path(args.out) / "decode-kernels.md").write_text("\n".join(lines) + "\n")
 
 

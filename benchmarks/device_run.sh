@@ -63,8 +63,8 @@ PY
 rc=0
 if [ "$what" = decode ]; then
   # the decode step's variants side by side (benchmarks/decode_kernels.py; ~15 s per variant at the seed shapes)
-  python3 benchmarks/decode_kernels.py --shapes "${OPD_DECODE_SHAPES:-a}" \
-    --variants "${OPD_DECODE_VARIANTS:-kernels,kernels:nopdl,kernels:grouped,kernels:sdpa,compiled,eager}" --out "$out/decode" 2>&1 \
+  python3 benchmarks/decode_kernels.py --shapes "${OPD_DECODE_SHAPES:-a,b}" \
+    --variants "${OPD_DECODE_VARIANTS:-kernels,kernels:nodraw,fused,fused:nodraw,compiled,eager}" --out "$out/decode" 2>&1 \
     | tee "$out/decode.log" | tail -20
   rc=${PIPESTATUS[0]}
 fi

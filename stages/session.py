@@ -265,9 +265,11 @@ class Session:
     def runtime_slice(self) -> dict:
         s = {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch.")}
         if self.compiled_decode:  # (no key when eager: those digests are what they were)
-            s["decode"] = "project+rope_attention"  # stages/blocks/kernels.py's decode kernels (2026-12-02, fused rotary+attention)
+            # stages/blocks/kernels.py's decode kernels (2026-12-02: fused rotary+attention; "-blocks":
+            s["decode"] = "project+rope_attention-blocks"  # at any batch too, the cache read in blocks)
         if self.device.type == "cuda":
-            s["draw"] = "chunked-cdf"  # the draw's CDF scanned in chunks on CUDA (decoder._cumsum), since 2026-12-02
+            s["draw"] = "kernel"  # plain sampling's draw as stages/blocks/draw.py's kernels on CUDA (2026-12-02;
+            # "chunked-cdf" before: torch's passes with the CDF scanned in chunks, decoder._cumsum, which top-p keeps)
             # teacher-forced forwards in the padded layout (stages/blocks/graphs.py),
             s["forwards"] = f"padded-to-{self.forward_length()}"  # replayed from graphs for these roles (cuBLAS may
             g = sorted(phases.graphed_roles(self.cfg, "cuda"), reverse=True)  # ["student", "teacher"] as before

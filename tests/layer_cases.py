@@ -46,13 +46,19 @@ def compare(device: str, dtype, B: int = 3, H: int = 4, KV: int = 2, D: int = 16
 
 
 def attention(device: str, dtype, B: int = 3, H: int = 6, KV: int = 2, D: int = 16, L: int = 40,
-              qwen3: bool = False, seed: int = 0) -> dict:
-    """kernels.rope_attention against kernels.rope_cache (the same per-head norm and rotary code,
+              qwen3: bool = False, seed: int = 0, block: int | None = None, per_kv: bool = False,
+              slot: int | None = None) -> dict:
+    """decode_attention.rope_attention against kernels.rope_cache (the same per-head norm and rotary code,
     so the same q and the same cache writes, which must be equal) followed by SDPA computed in fp32
     and rounded once: the output is a convex combination of V's rows, and both sides compute it in
     fp32 (errors ~L 2**-24 of max |v|), so after rounding they differ by at most one ulp of max |v|
-    (eps * max |v|)."""
-    from stages.blocks import kernels
+    (eps * max |v|). The mask is the engine's: each row's keys from its left padding up to the new
+    token's slot (3 before the cache's end unless given; rows' padding 0, 17: more than a 16-position block, 5,
+    ...). block: cache positions per rope_attention block (decode_attention.ATTN_TILE = block * D,
+    ATTN_KV_BLOCK = block), so that it loops over several, the online softmax across them, one of
+    them masked whole for row 1. per_kv: the kernel with a program per kv head (tensor-core products,
+    P rounded to the compute dtype for P V)."""
+    from stages.blocks import decode_attention, kernels
 
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(B, (H + 2 * KV) * D, generator=g).to(device, dtype)
@@ -61,19 +67,28 @@ def attention(device: str, dtype, B: int = 3, H: int = 6, KV: int = 2, D: int = 
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
     emb = torch.cat([torch.arange(5, 5 + B).float()[:, None] * inv] * 2, dim=-1)  # [B, D]
     cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
-    slots = torch.tensor([3], device=device)  # the new token's slot, attended by every row
-    live = torch.tensor([L // 2, L - 1, 3][:B] + [L - 1] * max(0, B - 3), device=device)  # keys <= live[b] attended
-    keep = torch.arange(L, device=device)[None, :] <= live[:, None]
+    slot = L - 3 if slot is None else slot
+    slots = torch.tensor([slot], device=device)  # the new token's slot, attended by every row
+    pad = torch.tensor([0, 17, 5][:B] + [2] * max(0, B - 3), device=device)
+    keys = torch.arange(L, device=device)[None, :]
+    keep = (keys >= pad[:, None]) & (keys <= slot)
     mask = decoder.additive_mask(keep[:, None, None], dtype)  # [B, 1, 1, L]
     kv_ref, kv_got = kv.clone(), kv.clone()
     q = kernels.rope_cache(qkv, cos, sin, *norms, kv_ref, slots, H, KV, 1e-6)  # [B, H, 1, D]
-    got = kernels.rope_attention(qkv, cos, sin, *norms, kv_got, slots, mask, H, KV, 1e-6).float()  # [B, H*D]
+    knobs = decode_attention.ATTN_TILE, decode_attention.ATTN_KV_BLOCK, decode_attention.ATTN_KV_ROWS
+    if block:
+        decode_attention.ATTN_TILE, decode_attention.ATTN_KV_BLOCK = block * D, block
+    decode_attention.ATTN_KV_ROWS = 0 if per_kv else B
+    try:
+        got = decode_attention.rope_attention(qkv, cos, sin, *norms, kv_got, slots, mask, H, KV, 1e-6).float()  # [B, H*D]
+    finally:
+        decode_attention.ATTN_TILE, decode_attention.ATTN_KV_BLOCK, decode_attention.ATTN_KV_ROWS = knobs
     ref = F.scaled_dot_product_attention(q.float(), kv_ref[0].float(), kv_ref[1].float(), attn_mask=mask.float(),
                                          enable_gqa=KV != H).to(dtype).float().reshape(B, H * D)
     return {"diff": float((got - ref).abs().max()), "bound": torch.finfo(dtype).eps * float(kv_ref[1].float().abs().max()),
             "share": float((got != ref).float().mean()), "cache_equal": bool(torch.equal(kv_ref, kv_got)),
             "cache": float((kv_ref.float() - kv_got.float()).abs().max() / kv_ref.float().abs().max()),
-            "eps": torch.finfo(dtype).eps, "qwen3": qwen3}
+            "eps": torch.finfo(dtype).eps, "qwen3": qwen3, "block": block, "per_kv": per_kv}
 
 
 def attention_ok(row: dict) -> bool:
@@ -81,7 +96,12 @@ def attention_ok(row: dict) -> bool:
     same code: the cache equal, the output within one ulp of max |v|. With them, each kernel sums a
     head's squares over its own number of warps (rope_cache one, rope_attention four or eight), so
     the normalised key and query may round one bf16/fp16 step apart: the cache within one ulp of its
-    largest value, and the output within 8 ulps of max |v| (a wrongly wired norm is O(1) off)."""
+    largest value, and the output within 8 ulps of max |v| (a wrongly wired norm is O(1) off). The
+    per-kv-head kernel rounds P to the compute dtype (half an ulp relative: at most half an ulp of
+    max |v| in the output, as flash attention), and each side rounds its output (half an ulp each):
+    within 1.5 ulps of max |v|, so 2, and not mostly equal."""
     if row["qwen3"]:
         return row["cache"] <= row["eps"] and row["diff"] <= 8 * row["bound"]
+    if row["per_kv"]:  # P rounded: outputs round apart often (13% on the H200 with P in tf32)
+        return row["cache_equal"] and row["diff"] <= 2 * row["bound"]
     return row["cache_equal"] and row["diff"] <= row["bound"] and row["share"] < 0.05

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import kernels, models
+from . import decode_attention, draw, kernels, models
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -178,17 +178,29 @@ def attend(qkv, w, kv, cos, sin, mask, slots, H, KV, D, eps):
     return o.transpose(1, 2).reshape(B, T, H * D)
 
 
-def layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
+def kernel_attend(qkv, w, kv, cos, sin, mask, slots, H, KV, D, eps):
+    """`attend` through `decode_attention.rope_attention` where it serves (one new token per row, the float
+    mask `forward` makes on CUDA, decode_attention.usable): per-head norms, rotary, the cache writes
+    and attention over the live positions in one kernel. Otherwise `attend`."""
+    B, T = qkv.shape[:2]
+    if decode_attention.usable(T, mask, qkv.dtype, qkv.device, D):
+        return decode_attention.rope_attention(qkv.reshape(B, -1), cos, sin, w["q_norm"], w["k_norm"], kv, slots, mask,
+                                      H, KV, eps).view(B, 1, H * D)
+    return attend(qkv, w, kv, cos, sin, mask, slots, H, KV, D, eps)
+
+
+def layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act, attention=attend):
     """One decoder layer over the residual stream x [B, T, hidden] plus the previous layer's MLP
     output r (added here, so that compiled the add fuses into this layer's first RMSNorm instead of
     costing a kernel at the end of the previous call); writes its new K and V into kv
     [2, B, n_kv, L, D] at `slots`. Returns (x, this layer's MLP output). A plain function of tensors
-    and constants, so torch.compile can fuse it (`compiled_layer`)."""
+    and constants, so torch.compile can fuse it (`compiled_layer`). attention: `attend` (the
+    reference) or `kernel_attend` (fused_layer's, past kernels.MAX_ROWS rows)."""
     B, T = x.shape[:2]
     x = x + r
     h = rms(x, w["ln1"], eps)
     qkv = F.linear(h, w["qkv"], w["qkv_bias"]).view(B, T, H + 2 * KV, D)
-    x = x + F.linear(attend(qkv, w, kv, cos, sin, mask, slots, H, KV, D, eps), w["o_proj"])
+    x = x + F.linear(attention(qkv, w, kv, cos, sin, mask, slots, H, KV, D, eps), w["o_proj"])
     h = rms(x, w["ln2"], eps)
     gate, up = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
     return x, F.linear(act(gate) * up, w["down_proj"])
@@ -197,26 +209,25 @@ def layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
 def fused_layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
     """`layer` for a decode step of at most kernels.MAX_ROWS rows on CUDA (kernels.usable): four
     `kernels.project` launches do the projections with the RMSNorms, the SiLU gate and the residual
-    adds folded in, and for one new token per row, with the float mask `forward` makes on CUDA and a
-    cache that fits one program (kernels.attention_fits), `kernels.rope_attention` does what `attend`
-    does (per-head norms, rotary, the cache writes, SDPA's work), otherwise `kernels.rope_cache` all of
-    it before SDPA: no kernel is left for Inductor, so the engine runs it uncompiled (docs/architecture.md, "fused decode projections"). Every residual add
+    adds folded in, and for one new token per row `kernel_attend` does what `attend` does (per-head
+    norms, rotary, the cache writes, SDPA's work; with decode_attention.ATTENTION off, `kernels.rope_cache`
+    all of it before SDPA): no kernel is left for Inductor, so the engine runs it uncompiled
+    (docs/architecture.md, "fused decode projections"). Past MAX_ROWS rows (workload b's 64) it is
+    `layer` with `kernel_attend`, for the engine to compile around cuBLAS. Every residual add
     happens inside a projection, so it reads no r (forward's zeros at the first layer) and returns
     None for it (the choice is by shape and dtype, the same for every layer of a forward). Other
     inputs: `layer`."""
     B, T, E = x.shape
-    if not kernels.usable(B * T, x.dtype, x.device, act):
-        return layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act)
+    if not kernels.usable(B * T, x.dtype, x.device, act):  # many rows: cuBLAS's matmuls (compiled)
+        return layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act, attention=kernel_attend)
     x = x.view(B * T, E)
     qkv = kernels.project(x, w["qkv"], w["ln1"], w["qkv_bias"], None, eps, False)  # [B*T, (H+2KV)*D]
-    if T == 1 and mask.is_floating_point() and kernels.attention_fits(kv.shape[3], D):
-        o = kernels.rope_attention(qkv, cos, sin, w["q_norm"], w["k_norm"], kv, slots, mask, H, KV, eps)  # [B, H*D]
-    elif T == 1:
+    if T == 1 and not decode_attention.usable(T, mask, x.dtype, x.device, D):  # (decode_kernels ':sdpa')
         q = kernels.rope_cache(qkv, cos, sin, w["q_norm"], w["k_norm"], kv, slots, H, KV, eps)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, enable_gqa=KV != H)
         o = o.transpose(1, 2).reshape(B * T, H * D)
     else:
-        o = attend(qkv.view(B, T, H + 2 * KV, D), w, kv, cos, sin, mask, slots, H, KV, D, eps).reshape(B * T, H * D)
+        o = kernel_attend(qkv.view(B, T, H + 2 * KV, D), w, kv, cos, sin, mask, slots, H, KV, D, eps).reshape(B * T, H * D)
     x = kernels.project(o, w["o_proj"], None, None, x, eps, False)  # x + o @ Wo.T
     a = kernels.project(x, w["gate_up"], w["ln2"], None, None, eps, True)  # silu(gate) * up [B*T, I]
     return kernels.project(a, w["down_proj"], None, None, x, eps, False).view(B, T, E), None
@@ -296,7 +307,10 @@ def chunked_cumsum(p, chunk: int):
 
 
 def pick(logits, u, temperature, top_p, greedy, block_eos, eos):
-    """logits [B, V] -> (token [B], log-prob under the tempered distribution [B])."""
+    """logits [B, V] -> (token [B], log-prob under the tempered distribution [B]). On CUDA plain
+    sampling (no top-p, not greedy) is stages/blocks/draw.py's two kernels."""
+    if draw.usable(logits, greedy, top_p):
+        return draw.sample(logits, u, temperature, block_eos, eos)
     logits = logits.float()
     if block_eos is not None:  # min_new_tokens: EOS impossible before then (benchmarks)
         logits[:, eos] = torch.where(block_eos, float("-inf"), logits[:, eos])

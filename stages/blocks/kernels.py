@@ -42,14 +42,6 @@ SLAB = 2048
 # Triton's FP fusion (mul + add as one FMA) changes bytes, and its default is to flip in Triton 3.10
 # (TRITON_DEFAULT_FP_FUSION changes it today): pinned, as every measurement so far ran it (on).
 FP_FUSION = True
-ATTENTION = True  # rope_attention where its tile fits (ATTN_TILE); False: rope_cache + SDPA (decode_kernels ':sdpa')
-ATTN_TILE = 16384  # cache positions (padded to a power of two) x head dim that one program holds
-# Query heads per rope_attention program: one, so that the seed step's attention runs as 60 programs
-# (4 rows x 15 heads) rather than 20 (x 5 kv heads, each program looping over its 3 query heads),
-# each re-reading its kv head's K and V (from L2 after the first). The H200 profile at c78a80c:
-# the grouped kernel took 6.95 us per layer (results/2026-12-02-h200-c78a80c-profile.txt).
-# None: every query head of a kv head in one program (benchmarks/decode_kernels.py ':grouped').
-ATTN_HEADS = 1
 WARPS = None  # warps per program; None: one, and one more per 4,096 elements past that (wide K)
 # Programmatic dependent launch (Hopper and later, `pdl`): each kernel of the decode layer is launched
 # while the one before it still runs, issues the loads that do not depend on it (the weights: nothing
@@ -133,13 +125,13 @@ if triton is not None:
 
     @triton.jit
     def _rotate(x1, x2, NW, c, s, d, eps, D: tl.constexpr, NORM: tl.constexpr):
-        """One head's halves x1, x2 [D // 2] (compute dtype): Qwen3's RMSNorm with weight NW (fp32
-        statistics, normalised row rounded, scaled in the dtype), then rotary with c, s [D // 2] (fp32)
-        in fp32, rounded once (as compiled)."""
+        """One head's halves x1, x2 [D // 2] (compute dtype; or several heads', [G, D // 2]): Qwen3's
+        RMSNorm with weight NW (fp32 statistics, normalised row rounded, scaled in the dtype), then
+        rotary with c, s [D // 2] (fp32) in fp32, rounded once (as compiled)."""
         dt = x1.dtype
         if NORM:
             f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-            rstd = tl.rsqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / D + eps)
+            rstd = tl.rsqrt((tl.sum(f1 * f1, -1, keep_dims=True) + tl.sum(f2 * f2, -1, keep_dims=True)) / D + eps)
             x1 = ((f1 * rstd).to(dt).to(tl.float32) * tl.load(NW + d).to(tl.float32)).to(dt)
             x2 = ((f2 * rstd).to(dt).to(tl.float32) * tl.load(NW + D // 2 + d).to(tl.float32)).to(dt)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
@@ -174,55 +166,6 @@ if triton is not None:
             dst = KV + s_kvc + b * s_kvb + (j - H - NKV) * s_kvh + slot * s_kvl
             tl.store(dst + d, x1)
             tl.store(dst + D // 2 + d, x2)
-
-
-    @triton.jit
-    def _rope_attention(QKV, COS, SIN, QN, KN, KV, SLOT, MASK, O, scale, eps, L, s_qkv, s_cos, s_kvc, s_kvb,
-                        s_kvh, s_kvl, s_mb, H: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
-                        LP: tl.constexpr, QP: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-        # program (b, j): query heads j QP .. j QP + QP - 1 of row b (QP divides H // NKV) and the kv
-        # head g they share. The new key (normed, rotated) and value stand in for that row of the
-        # cache tile read here (so no store has to be visible to a load), and the first program of
-        # each kv head writes them into KV [2, B, NKV, L, D] at the slot SLOT holds; then attention
-        # over all L positions at once (K and V [LP, D] held whole: every load in flight together),
-        # fp32 softmax, into O [B, H * D]
-        b, j = tl.program_id(0), tl.program_id(1)
-        g = j * QP // (H // NKV)
-        d, rl, rd = tl.arange(0, D // 2), tl.arange(0, LP), tl.arange(0, D)
-        lm = rl < L
-        # first what the kernel before (the q|k|v projection) does not write, so that under PDL these
-        # loads, the cache's among them, overlap it: the mask, slot and rotary tables (made before the
-        # layers) and the cache's rows but the new one (written by earlier steps)
-        bias = tl.load(MASK + b * s_mb + rl, mask=lm, other=float("-inf")).to(tl.float32)  # 0 or -inf
-        slot = tl.load(SLOT)
-        c = tl.load(COS + b * s_cos + d).to(tl.float32)  # cos/sin [B, D]: both halves alike
-        s = tl.load(SIN + b * s_cos + d).to(tl.float32)
-        base = KV + b * s_kvb + g * s_kvh + rl[:, None] * s_kvl + rd[None, :]
-        new = (rl == slot)[:, None]  # [LP, 1]
-        k = tl.load(base, mask=lm[:, None] & ~new, other=0.0)  # [LP, D], the compute dtype (registers)
-        v = tl.load(base + s_kvc, mask=lm[:, None] & ~new, other=0.0)
-        if PDL:  # q|k|v comes from the kernel before
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        src = QKV + b * s_qkv
-        k1, k2 = _rotate(tl.load(src + (H + g) * D + d), tl.load(src + (H + g) * D + D // 2 + d), KN, c, s, d, eps, D, NORM)
-        v1, v2 = tl.load(src + (H + NKV + g) * D + d), tl.load(src + (H + NKV + g) * D + D // 2 + d)
-        if j * QP % (H // NKV) == 0:
-            dst = KV + b * s_kvb + g * s_kvh + slot * s_kvl
-            tl.store(dst + d, k1)
-            tl.store(dst + D // 2 + d, k2)
-            tl.store(dst + s_kvc + d, v1)
-            tl.store(dst + s_kvc + D // 2 + d, v2)
-        k = tl.where(new, tl.reshape(tl.permute(tl.join(k1, k2), (1, 0)), (D,))[None, :], k)  # halves joined: [D]
-        v = tl.where(new, tl.reshape(tl.permute(tl.join(v1, v2), (1, 0)), (D,))[None, :], v)
-        for i in tl.static_range(QP):
-            h = j * QP + i
-            q1, q2 = _rotate(tl.load(src + h * D + d), tl.load(src + h * D + D // 2 + d), QN, c, s, d, eps, D, NORM)
-            q = tl.reshape(tl.permute(tl.join(q1, q2), (1, 0)), (D,)).to(tl.float32)  # [D]
-            sc = tl.sum(k.to(tl.float32) * q[None, :], 1) * scale + bias  # [LP]
-            p = tl.exp(sc - tl.max(sc, 0))
-            o = tl.sum(p[:, None] * v.to(tl.float32), 0) / tl.sum(p, 0)  # [D]
-            tl.store(O + b * H * D + h * D + rd, o.to(O.dtype.element_ty))
 
 
 @torch.library.custom_op("opd::project", mutates_args=())
@@ -286,43 +229,3 @@ def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: 
 @rope_cache.register_fake
 def _(qkv, cos, sin, q_norm, k_norm, kv, slots, n_heads, n_kv, eps):
     return qkv.new_empty((qkv.shape[0], n_heads, 1, qkv.shape[1] // (n_heads + 2 * n_kv)))
-
-
-def attention_fits(L: int, D: int) -> bool:
-    """Whether `rope_attention` holds a cache of L positions with head dim D in one program."""
-    return ATTENTION and triton is not None and triton.next_power_of_2(L) * D <= ATTN_TILE
-
-
-@torch.library.custom_op("opd::rope_attention", mutates_args=("kv",))
-def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
-                   k_norm: torch.Tensor | None, kv: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
-                   n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
-    """`rope_cache` and SDPA for one new token per row in one kernel: the inputs of `rope_cache`
-    plus mask [B, 1, 1, L], additive (0 attended, -inf not; every row attends at least its new
-    position). Writes the new K and V into kv as `rope_cache` does and returns the attention output
-    [B, H * D]. SDPA (cuDNN) took ~6 us per layer at batch 4 on the H200 (2026-12-01 profile), and
-    the rotary a kernel of its own."""
-    B = qkv.shape[0]
-    D = qkv.shape[1] // (n_heads + 2 * n_kv)
-    L = kv.shape[3]
-    torch._check(mask.dtype.is_floating_point and mask.shape[-1] == L, lambda: "rope_attention: additive mask [B, 1, 1, L]")
-    # read as dense rows, before the PDL wait: a copy made here would be a kernel launched right
-    # before this one, whose output it would read before waiting for it
-    torch._check(mask.is_contiguous() and cos.is_contiguous() and sin.is_contiguous(),
-                 lambda: "rope_attention: mask [B, 1, 1, L] and cos/sin [B, ..., D] must be contiguous")
-    m, cos, sin = mask.reshape(B, L), cos.reshape(B, D), sin.reshape(B, D)
-    out = torch.empty((B, n_heads * D), dtype=qkv.dtype, device=qkv.device)
-    LP = triton.next_power_of_2(L)
-    qp = ATTN_HEADS or n_heads // n_kv
-    torch._check((n_heads // n_kv) % qp == 0, lambda: f"kernels.ATTN_HEADS = {qp} must divide {n_heads // n_kv}")
-    _rope_attention[(B, n_heads // qp)](
-        qkv, cos, sin, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, kv, slots, m, out,
-        D ** -0.5, eps, L, qkv.stride(0), cos.stride(0), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        m.stride(0), H=n_heads, NKV=n_kv, D=D, LP=LP, QP=qp, NORM=q_norm is not None, PDL=(p := pdl(qkv.device)),
-        num_warps=4 if LP * D <= 8192 else 8, enable_fp_fusion=FP_FUSION, launch_pdl=p)
-    return out
-
-
-@rope_attention.register_fake
-def _(qkv, cos, sin, q_norm, k_norm, kv, slots, mask, n_heads, n_kv, eps):
-    return qkv.new_empty((qkv.shape[0], qkv.shape[1] // (n_heads + 2 * n_kv) * n_heads))

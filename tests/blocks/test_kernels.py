@@ -4,44 +4,41 @@ derived in tests/kernel_cases.py, and decoder.fused_layer against decoder.layer.
 interpreter rounds to bf16 by truncation, unlike the GPU (bf16 runs in tests/gpu/test_gpu_kernels.py)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from stages.blocks import decoder, kernels
+import interpreter  # (tests/)
 import layer_cases  # (tests/: the rows the interpreter subprocess computes are judged here)
-
-ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import json, sys
 sys.path.insert(0, "tests")
 import torch
-from stages.blocks import kernels
+from stages.blocks import decode_attention, kernels
 import kernel_cases, layer_cases
 kernels.usable = lambda rows, dtype, device, act: True  # (CPU tensors: the interpreter runs the kernel)
+decode_attention.usable = lambda T, mask, dtype, device, D: decode_attention.ATTENTION and T == 1 and mask.is_floating_point()
 out = {"project": [kernel_cases.check(kernels.project, "cpu", torch.float16, kernel_cases.CPU_SHAPES, s) for s in range(3)],
        "layer": [layer_cases.compare("cpu", torch.float16, qwen3=q, bias=b, seed=s, float_mask=f)
                  for s, (q, b, f) in enumerate([(False, False, False), (True, False, True), (False, True, True)])],
-       "attention": [layer_cases.attention("cpu", torch.float16, qwen3=q, seed=s) for s, q in enumerate((False, True, False))]}
-kernels.ATTN_HEADS = None  # rope_attention with every query head of a kv head in one program
-out["attention"] += [layer_cases.attention("cpu", torch.float16, qwen3=q, seed=s) for s, q in ((3, True), (4, False))]
+       # one block holding the whole cache (the seed's), then 16-position blocks: three, row 1's first
+       # masked whole; each with a program per query head, then per kv head (its heads in one tile)
+       "attention": [layer_cases.attention("cpu", torch.float16, qwen3=q, seed=s, block=blk, per_kv=kv)
+                     for s, (q, blk, kv) in enumerate([(False, None, False), (True, None, False), (False, 16, False),
+                                                        (True, 16, False), (False, 32, False), (False, None, True),
+                                                        (True, 16, True), (False, 16, True)])]}
+# the new token at a block's first and last position (16-position blocks)
+out["attention"] += [layer_cases.attention("cpu", torch.float16, seed=9 + s, block=16, per_kv=kv, slot=slot)
+                     for s, (slot, kv) in enumerate([(32, False), (31, False), (32, True), (31, True)])]
 print(json.dumps(out))
 """
 
 
 @pytest.fixture(scope="module")
 def interpreted():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.splitlines()[-1])
+    return interpreter.run(SCRIPT)
 
 
 def test_project_within_its_derived_bounds(interpreted):
@@ -65,6 +62,7 @@ def test_fused_layer_matches_layer(interpreted):
 def test_rope_attention_writes_the_cache_and_is_within_one_ulp_of_sdpa(interpreted):
     for row in interpreted["attention"]:
         assert layer_cases.attention_ok(row), row
+    assert {(row["block"], row["per_kv"]) for row in interpreted["attention"]} >= {(None, False), (16, False), (None, True), (16, True)}
 
 
 def test_cpu_decoding_never_takes_the_kernels():

@@ -117,7 +117,7 @@ def test_compiled_decode_joins_cuda_identity_only(work, monkeypatch):
     assert not on.compiled_decode and on.runtime_slice() == off.runtime_slice()
     assert on.rollout_digest(1) == off.rollout_digest(1) and on.update_digest(2) == off.update_digest(2)
     monkeypatch.setattr(on, "device", torch.device("cuda"))
-    assert on.compiled_decode and on.runtime_slice()["decode"] == "project+rope_attention"
+    assert on.compiled_decode and on.runtime_slice()["decode"] == "project+rope_attention-blocks"
     monkeypatch.setattr(on.cfg.rollout, "cuda_graphs", False)
     assert not on.compiled_decode and "decode" not in on.runtime_slice()  # eager CUDA: no compiled step
 

@@ -35,14 +35,15 @@ def test_fused_layer_matches_layer_bf16():
 
 
 def test_rope_attention_bf16_writes_the_cache_and_is_within_one_ulp_of_sdpa():
-    for heads in (1, None):  # kernels.ATTN_HEADS: a program per query head, or per kv head
-        kernels.ATTN_HEADS = heads
-        try:
-            for seed, (H, KV, D, L, q) in enumerate([(15, 5, 64, 192, False), (16, 8, 128, 128, True), (6, 2, 64, 40, False)]):
-                row = layer_cases.attention("cuda", torch.bfloat16, B=4, H=H, KV=KV, D=D, L=L, qwen3=q, seed=seed)
-                assert layer_cases.attention_ok(row), (heads, row)
-        finally:
-            kernels.ATTN_HEADS = 1
+    # the seed's cache in one block, Qwen3's heads over several (its cache of 640 in five of 128), and
+    # 16-position blocks where row 1's first is masked whole
+    # and each with a program per kv head (the kernel past decode_attention.ATTN_KV_ROWS rows)
+    for seed, (H, KV, D, L, q, blk) in enumerate([(15, 5, 64, 192, False, None), (16, 8, 128, 640, True, None),
+                                                  (6, 2, 64, 40, False, 16), (16, 8, 128, 128, True, 16)]):
+        for per_kv in (False, True):
+            row = layer_cases.attention("cuda", torch.bfloat16, B=4, H=H, KV=KV, D=D, L=L, qwen3=q, seed=seed, block=blk,
+                                        per_kv=per_kv)
+            assert layer_cases.attention_ok(row), row
 
 
 def test_chunked_cumsum_close_to_the_plain_scan():
@@ -65,6 +66,14 @@ def test_compiled_decode_step_launches_the_kernels():
     assert any("_rope_attention" in n for n in names), sorted(names)[:40]  # (the float mask and a cache that fits)
     b = eng.generate(PROMPTS, 8, eos=2, pad=2, seed=3)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+    assert any("_chunk_stats" in n for n in names) and any("_pick" in n for n in names)  # the draw (draw.py)
+    many = PROMPTS * 6  # 18 rows, past kernels.MAX_ROWS: the compiled cuBLAS layer with rope_attention per kv head
+    eng.generate(many, 8, eos=2, pad=2, seed=3)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        eng.generate(many, 8, eos=2, pad=2, seed=3)
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    assert any("_rope_attention_kv" in n for n in names), sorted(names)[:40]
 
 
 def test_fast_step_over_in_place_weights_samples_what_the_copy_does():

@@ -221,6 +221,8 @@ def profile_first_update(w: dict, work: Path, tokenizer: str, python: str, extra
 
     buf = io.StringIO()
     pstats.Stats(str(prof), stream=buf).sort_stats("cumulative").print_stats(70)
+    pstats.Stats(str(prof), stream=buf).sort_stats("tottime").print_stats(40)  # where the time is spent itself
+    shutil.copy(prof, out_file.with_name("first.prof"))  # the whole profile, for pstats where it comes back
     with open(out_file, "a") as f:
         f.write(f"\n\nA fresh process and store (compile caches warm): construction + 1 update under cProfile, {wall} s "
                 f"(first_update_s {json.loads((art / 'runs' / tag / 'train.json').read_text())['timings'].get('first_update_s')})\n")

@@ -109,7 +109,12 @@ def run(sess: Session) -> dict:
     cfg = sess.cfg
     # validate early and set up in dependency order: prepared inputs -> policy 0 -> loop
     prepared = sess.prepared
+    if any(not (sess.store.path("update", sess.update_digest(k)) / "manifest.json").is_file()
+           for k in range(1, cfg.train.updates + 1)):
+        sess.verify_models_soon()  # steps to compute: both models will load
+    sess.mark("prepared")
     policy0(sess)
+    sess.mark("policy0_published")
     runview.begin(sess)  # the view is this run's from here (another run's steps are removed)
     write_json(sess.run_dir / "config.json", dataclasses.asdict(cfg))
     sess.link_step(0)
@@ -140,8 +145,11 @@ def run(sess: Session) -> dict:
             t_step = time.perf_counter()
             if sess.store.get("update", sess.update_digest(k)) is None:  # else: published, reuse
                 rollout.run(sess, k)
+                sess.mark("rollout_done")
                 score.run(sess, k)
+                sess.mark("score_done")
                 update.run(sess, k)
+                sess.mark("update_done")
                 if k == 1:  # construction (model loads, graph capture) + the first update
                     sess.timings["first_update_s"] = round(time.perf_counter() - sess.t0, 4)
                 # the whole step as a user waits for it: phases + Parquet/adapter IO + publishing

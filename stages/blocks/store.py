@@ -16,6 +16,7 @@ import shutil
 import signal
 import stat
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -146,6 +147,7 @@ class Store:
         self.artifacts = Path(artifacts)
         self.root = self.artifacts / "store"
         self._verified: set[Path] = set()
+        self._ahead: dict = {}  # dir -> Future of its deep check started early (verify_soon)
         self._pending: dict = {}  # final dir -> Future of its background publish
         self.seconds: dict[str, float] = {}
         self._pool = None
@@ -153,11 +155,35 @@ class Store:
     def path(self, stage: str, dig: str) -> Path:
         return self.root / stage / dig
 
+    def verify_soon(self, d: Path) -> None:
+        """Start `verify(d)` (deep) on a thread of its own, for a multi-GB model dir the process will
+        read later: hashing reads and xxh3 release the interpreter, so it runs beside the caller's
+        work. `verify(d)` joins it, so nothing reads the weights before their hash is checked. A daemon
+        thread: a process that never needs the dir exits without waiting for it."""
+        if d in self._verified or d in self._ahead:
+            return
+        from concurrent.futures import Future
+
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(self._check(d, True))
+            except BaseException as e:  # noqa: BLE001  re-raised where verify() joins it
+                fut.set_exception(e)
+
+        self._ahead[d] = fut
+        threading.Thread(target=run, name="opd-verify", daemon=True).start()
+
     def verify(self, d: Path, deep: bool = True) -> bool:
         """True iff `d` holds a manifest whose per-file hashes all match (checked once per process).
 
         deep=False checks the manifest, the file list and sizes only: for multi-GB model dirs whose
         content is hashed when they are actually loaded (Session), not on every digest lookup."""
+        fut = self._ahead.pop(d, None) if deep else None
+        return fut.result() if fut is not None else self._check(d, deep)
+
+    def _check(self, d: Path, deep: bool) -> bool:
         if d in self._verified:
             return True
         man = d / MANIFEST

@@ -151,3 +151,55 @@ def test_link_is_relative_and_replaceable(tmp_path):
     assert at.read_text() == "A" and not os.readlink(at).startswith("/")
     link(b, at)
     assert at.read_text() == "B"
+
+
+def _published_model(tmp_path, size=3 << 20):
+    st = Store(tmp_path)
+    p, _ = st.ensure("model", "m1", lambda d: ((d / "w.bin").write_bytes(os.urandom(size)),
+                                               (d / "config.json").write_text("{}")))
+    return p
+
+
+def test_verify_soon_hashes_once_beside_the_caller_and_verify_joins_it(tmp_path, monkeypatch):
+    import stages.blocks.store as store
+
+    p = _published_model(tmp_path)
+    hashed = []
+    real = store.file_hash
+    monkeypatch.setattr(store, "file_hash", lambda f: (hashed.append(os.path.basename(f)), real(f))[1])
+    fresh = Store(tmp_path)  # a new process: nothing verified yet
+    fresh.verify_soon(p)
+    fresh.verify_soon(p)  # asked twice: one check
+    assert fresh.verify(p) and fresh.verify(p)
+    assert sorted(hashed) == ["config.json", "w.bin"]  # each file hashed once, by the early check
+    fresh.verify_soon(p)  # verified already: no new check
+    assert fresh.get("model", "m1") == p and sorted(hashed) == ["config.json", "w.bin"]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_verify_soon_still_catches_a_flipped_byte(tmp_path, capsys, when):
+    """A same-size flip passes the shallow check; the early deep check must report it where verify()
+    joins it, whether the damage happened before the check started or it was started first and
+    joined later (the weights are only read after verify() returns)."""
+    p = _published_model(tmp_path)
+    f = p / "w.bin"
+
+    def flip():
+        b = bytearray(f.read_bytes()); b[12345] ^= 1; f.write_bytes(bytes(b))
+
+    fresh = Store(tmp_path)
+    if when == "before":
+        flip()
+        fresh.verify_soon(p)
+    else:
+        fresh.verify_soon(p)
+        fresh.verify(p)  # the intact bytes checked: trusted for this process
+        flip()
+    assert fresh.verify(p, deep=False)  # sizes match either way
+    if when == "before":
+        assert not fresh.verify(p)
+        assert "content hash mismatch" in capsys.readouterr().err
+        assert not Store(tmp_path).verify(p)  # and a plain check agrees
+    else:
+        assert fresh.verify(p)  # checked once per process, as without verify_soon
+        assert not Store(tmp_path).verify(p)

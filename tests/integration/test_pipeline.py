@@ -34,6 +34,14 @@ def test_run_produces_a_complete_run_view(work):
     assert md[b"opd.schema_version"] == b"1" and len(md[b"opd.digest"]) == 32
     hist = list(csv.DictReader(open(run / "history.csv")))
     assert [int(h["step"]) for h in hist] == [1, 2, 3] and all(float(h["loss"]) > 0 for h in hist)
+    # where the construction before the first update went: first times, in the loop's order
+    timings = json.loads((run / "train.json").read_text())["timings"]
+    up = timings["startup_s"]
+    order = ["prepared", "student_loaded", "policy0_published", "engine_built", "rollout_done", "score_done",
+             "update_done"]
+    assert [up[e] for e in order] == sorted(up[e] for e in order) and up["prepared"] >= 0, up
+    assert up["rollout_done"] <= up["teacher_loaded"] <= up["score_done"], up
+    assert up["update_done"] <= timings["first_update_s"] <= timings["total_s"]
     st = json.loads((run / "step-0003" / "state.json").read_text())
     for phase in ("rollout", "score", "policy"):
         assert st[phase]["wall_s"] > 0 and st[phase]["tokens_per_s"] > 0 and "peak_rss_gib" in st[phase]

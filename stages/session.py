@@ -177,13 +177,6 @@ class Session:
                 memory.move_moments(self.optimizer[1], self.device)
             self._on_host.discard(role)
 
-    def verify_models_soon(self) -> None:
-        """The loop will load both models: hash their dirs now on threads of their own
-        (Store.verify_soon), beside the student's load and its first rollout, instead of in line
-        before each load (~1 s for the seed workload's 4.1 GB of bf16 weights)."""
-        for role in ("student", "teacher"):
-            self.store.verify_soon(self.store.path("model", self.prepared[role]))
-
     def mark(self, event: str) -> None:
         """When `event` first happened in this process, in seconds since the session opened: where the
         construction before the first update goes (train.json, timings.startup_s)."""

@@ -15,8 +15,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 
-_S = {"roots": [], "stores": [], "shallow": set(), "ensuring": [], "verifying": 0, "busy": False,
+# "verifying" and "busy" are per thread: the store hashes model dirs on threads of its own
+# (Store.verify_soon) while the main thread reads other files
+_S = {"roots": [], "stores": [], "shallow": set(), "ensuring": [], "verifying": set(), "busy": set(),
       "installed": False}
 
 
@@ -24,17 +27,17 @@ def _emit(rec: dict) -> None:
     d = os.environ.get("OPD_TEST_TRACE")
     if not d:
         return
-    _S["busy"] = True  # the log's own open must not be traced
+    _S["busy"].add(threading.get_ident())  # the log's own open must not be traced
     try:
         rec["pid"] = os.getpid()
         with open(os.path.join(d, f"{os.getpid()}.jsonl"), "a") as f:
             f.write(json.dumps(rec, sort_keys=True) + "\n")
     finally:
-        _S["busy"] = False
+        _S["busy"].discard(threading.get_ident())
 
 
 def _classify(path, op: str, via: str) -> None:
-    if _S["busy"] or not os.environ.get("OPD_TEST_TRACE") or not _S["roots"]:
+    if threading.get_ident() in _S["busy"] or not os.environ.get("OPD_TEST_TRACE") or not _S["roots"]:
         return
     try:
         p = os.path.realpath(os.fspath(path))
@@ -50,7 +53,7 @@ def _classify(path, op: str, via: str) -> None:
         return
     stage, entry = parts[0], parts[1]
     rec = {"op": op, "via": via, "stage": stage, "entry": entry, "file": "/".join(parts[2:]),
-           "in_verify": _S["verifying"] > 0}
+           "in_verify": threading.get_ident() in _S["verifying"]}
     if entry.startswith(".tmp-"):
         rec["kind"] = "tmp"
         # this process's own temp dir (the stage it is producing, or sealing on a publish thread)
@@ -61,13 +64,13 @@ def _classify(path, op: str, via: str) -> None:
         final = os.path.join(root, stage, entry)
         rec["kind"] = "final"
         rec["published"] = os.path.isfile(os.path.join(final, "manifest.json"))
-        deep = any(any(os.path.realpath(v) == final for v in s._verified) for s in _S["stores"])
+        deep = any(any(os.path.realpath(v) == final for v in tuple(s._verified)) for s in _S["stores"])
         rec["verified"] = "deep" if deep else "shallow" if final in _S["shallow"] else None
     _emit(rec)
 
 
 def _audit(event: str, args) -> None:
-    if event != "open" or _S["busy"]:
+    if event != "open" or threading.get_ident() in _S["busy"]:
         return
     path, mode, flags = args
     if isinstance(path, int):
@@ -102,7 +105,7 @@ def _wrap_store() -> None:
     Store = store.Store
     if getattr(Store, "_opd_traced", False):
         return
-    init, verify, ensure = Store.__init__, Store.verify, Store.ensure
+    init, verify, check, ensure = Store.__init__, Store.verify, Store._check, Store.ensure
 
     def __init__(self, *a, **kw):
         init(self, *a, **kw)
@@ -111,12 +114,15 @@ def _wrap_store() -> None:
         if root not in _S["roots"]:
             _S["roots"].append(root)
 
-    def verify_(self, d, *a, **kw):
-        _S["verifying"] += 1
+    def check_(self, d, *a, **kw):  # the hashing itself, on whichever thread runs it
+        _S["verifying"].add(threading.get_ident())
         try:
-            ok = verify(self, d, *a, **kw)
+            return check(self, d, *a, **kw)
         finally:
-            _S["verifying"] -= 1
+            _S["verifying"].discard(threading.get_ident())
+
+    def verify_(self, d, *a, **kw):
+        ok = verify(self, d, *a, **kw)
         if ok:
             _S["shallow"].add(os.path.realpath(d))
         return ok
@@ -131,7 +137,7 @@ def _wrap_store() -> None:
             _emit({"op": "computed", "stage": stage, "entry": dig})
         return d, computed
 
-    Store.__init__, Store.verify, Store.ensure = __init__, verify_, ensure_
+    Store.__init__, Store.verify, Store._check, Store.ensure = __init__, verify_, check_, ensure_
     Store._opd_traced = True
 
 

@@ -204,6 +204,7 @@ def load(model_dir: Path, mcfg: ModelCfg, device: torch.device, dtype: torch.dty
     kw = {}
     if mcfg.quant != "none":
         try:
+            import_bitsandbytes()
             import bitsandbytes  # noqa: F401
             from transformers import BitsAndBytesConfig
         except ImportError:
@@ -295,7 +296,43 @@ def uncompile_layers(model) -> None:
         layer._compiled_call_impl = None
 
 
+def import_bitsandbytes() -> None:
+    """Import bitsandbytes (when installed and not imported yet) with its import-time torch.compile
+    calls made lazy. bitsandbytes 0.50 wraps four of its default (CPU) kernels in torch.compile as it is imported,
+    and torch.compile imports Inductor on the spot (0.73 s on a 2-core Xeon, torch 2.13). peft
+    imports bitsandbytes whenever it is installed, so every training process paid that, quantized
+    or not, though nothing in it compiles on the default path. Each wrapper now makes its compiled
+    function at its first call instead, which is when torch.compile compiles anyway. Call it before
+    the process's first import of peft or bitsandbytes."""
+    import sys
+
+    if "bitsandbytes" in sys.modules or importlib.util.find_spec("bitsandbytes") is None:
+        return
+    import functools
+
+    real = torch.compile
+
+    def lazy(fn=None, **kw):
+        if fn is None:  # used as @torch.compile(**kw)
+            return lambda f: lazy(f, **kw)
+        made = []
+
+        @functools.wraps(fn)
+        def first_call(*a, **k):
+            if not made:
+                made.append(real(fn, **kw))
+            return made[0](*a, **k)
+        return first_call
+
+    torch.compile = lazy
+    try:
+        import bitsandbytes  # noqa: F401
+    finally:
+        torch.compile = real
+
+
 def add_lora(model, lcfg: LoraCfg, seed: int):
+    import_bitsandbytes()  # (before peft, which imports it)
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)  # LoRA A init is random; B is zero, so policy 0 == the base model

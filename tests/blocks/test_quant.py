@@ -150,3 +150,50 @@ def test_missing_bitsandbytes_is_a_one_line_error(work, monkeypatch):
     with pytest.raises(UserError) as e:
         models.load(sess.model_dir("student"), sess.cfg.student, sess.device, sess.dtype)
     assert "bitsandbytes" in str(e.value) and "\n" not in str(e.value)
+
+
+DEFERRED = r"""
+import hashlib, sys
+import torch
+from stages.blocks import models
+made = []
+real = torch.compile
+torch.compile = lambda fn=None, **kw: (made.append(kw), real(fn, **kw))[1]  # counts the compiles made
+recorder = torch.compile
+if sys.argv[1] == "deferred":
+    models.import_bitsandbytes()
+import peft  # noqa: F401  (imports bitsandbytes itself when it is not imported yet)
+import bitsandbytes.functional as F
+from bitsandbytes.backends.default import ops
+assert torch.compile is recorder  # restored
+imported = "torch._inductor.compile_fx" in sys.modules
+n_import = len(made)
+w = torch.randn(256, 128, generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16)
+q, st = F.quantize_4bit(w, quant_type="nf4")
+d = F.dequantize_4bit(q, st)
+# the default backend's compiled kernel, called directly: a deferred one compiles at this first call
+code = F.get_4bit_type("nf4", device="cpu")
+direct = ops._dequantize_4bit_compute(q.view(torch.uint8).reshape(-1), st.absmax, code, st.blocksize, st.shape,
+                                      torch.float32)
+print(imported, n_import, len(made), hashlib.sha256(d.float().numpy().tobytes()).hexdigest(),
+      bool(torch.equal(direct.to(torch.bfloat16), d)))
+"""
+
+
+def test_bitsandbytes_imports_without_inductor_and_computes_the_same_bytes():
+    """peft imports bitsandbytes, whose import wraps its default kernels in torch.compile, which
+    imports Inductor (~0.7 s) in every training process; models.import_bitsandbytes defers each
+    compile to its first call: no Inductor at import, the same dequantised bytes, and the kernel
+    still compiled (once) when it is first called."""
+    import subprocess
+
+    out = {}
+    for how in ("plain", "deferred"):
+        r = subprocess.run([sys.executable, "-c", DEFERRED, how], capture_output=True, text=True, timeout=300,
+                           cwd=models.ROOT)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[how] = r.stdout.split()
+    imported, at_import, total, digest, same = out["deferred"]
+    assert imported == "False" and at_import == "0" and int(total) >= 1 and same == "True", out
+    assert out["plain"][0] == "True" and int(out["plain"][1]) >= 1  # what it saves: Inductor, compiles at import
+    assert digest == out["plain"][3]  # the same dequantised NF4 weights either way

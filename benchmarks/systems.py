@@ -404,6 +404,10 @@ def markdown(result: dict) -> str:
                 io = ", ".join(f"{k} {v}" for k, v in s["median_io_s"].items() if v)
                 lines += ["", f"{s['name']}: {s['median_outside_phases_s']} s of each step outside the three phases "
                           f"(recorded pieces, median s: {io})"]
+            if s.get("startup_s"):  # the first update's construction, piece by piece (train.json timings)
+                firsts = ", ".join(f"{k} {v}" for k, v in sorted(s["startup_s"].items(), key=lambda kv: kv[1]))
+                lines += ["", f"{s['name']}: the construction before the first update, s since the session opened "
+                          f"when each was first done: {firsts}"]
         if wres.get("ratios"):
             lines += ["", "Ratios (peer median s/update ÷ ours): " + ", ".join(f"{k}: {v}x" for k, v in wres["ratios"].items())]
         lines.append("")

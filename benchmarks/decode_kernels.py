@@ -206,7 +206,6 @@ def run_shape(name: str, deadline: float, reps: int, variants: list[str]) -> dic
     finally:
         decoder.F.linear = orig_linear  # (torch.nn.functional itself: put back whatever happened)
         set_knobs([])  # (whatever happened)
-        decode_attention.ATTN_KV_STAGES = ATTN_KV_STAGES
     ref = res["variants"].get("eager", {}).get("logits")
     for row in res["variants"].values():
         lg = row.pop("logits", None)

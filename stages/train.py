@@ -67,11 +67,16 @@ def ensure_policy(sess: Session, k: int) -> None:
     sess.store.flush()
 
 
+def published_steps(sess: Session) -> list[int]:
+    """The steps of this run whose update an earlier run published (by its manifest; not content-checked)."""
+    return [k for k in range(1, sess.cfg.train.updates + 1)
+            if (sess.store.path("update", sess.update_digest(k)) / "manifest.json").is_file()]
+
+
 def plan_line(sess: Session) -> str:
     """One line before the loop: which steps earlier runs published (reused) and what is left."""
     K = sess.cfg.train.updates
-    published = [k for k in range(1, K + 1) if (sess.store.path("update", sess.update_digest(k))
-                                                 / "manifest.json").is_file()]
+    published = published_steps(sess)
     todo = K - len(published)
     if not K:
         return "train: 0 updates (policy 0 only)"
@@ -109,8 +114,7 @@ def run(sess: Session) -> dict:
     cfg = sess.cfg
     # validate early and set up in dependency order: prepared inputs -> policy 0 -> loop
     prepared = sess.prepared
-    if any(not (sess.store.path("update", sess.update_digest(k)) / "manifest.json").is_file()
-           for k in range(1, cfg.train.updates + 1)):
+    if len(published_steps(sess)) < cfg.train.updates:
         # steps to compute, so both models will load: hash their dirs now, beside the student's load
         # and its first rollout, not in line before each load (~1 s for the seed workload's 4.1 GB)
         for role in ("student", "teacher"):

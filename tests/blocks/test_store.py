@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import pytest
@@ -166,14 +167,16 @@ def test_verify_soon_hashes_once_beside_the_caller_and_verify_joins_it(tmp_path,
     p = _published_model(tmp_path)
     hashed = []
     real = store.file_hash
-    monkeypatch.setattr(store, "file_hash", lambda f: (hashed.append(os.path.basename(f)), real(f))[1])
+    monkeypatch.setattr(store, "file_hash", lambda f: (hashed.append((os.path.basename(f), threading.current_thread().name)),
+                                                       real(f))[1])
     fresh = Store(tmp_path)  # a new process: nothing verified yet
     fresh.verify_soon(p)
     fresh.verify_soon(p)  # asked twice: one check
     assert fresh.verify(p) and fresh.verify(p)
-    assert sorted(hashed) == ["config.json", "w.bin"]  # each file hashed once, by the early check
+    # each file hashed once, by the early check, on its own thread (not in line by verify)
+    assert sorted(hashed) == [("config.json", "opd-verify"), ("w.bin", "opd-verify")]
     fresh.verify_soon(p)  # verified already: no new check
-    assert fresh.get("model", "m1") == p and sorted(hashed) == ["config.json", "w.bin"]
+    assert fresh.get("model", "m1") == p and len(hashed) == 2
 
 
 @pytest.mark.parametrize("when", ["before", "after"])

@@ -7,8 +7,11 @@
 #           pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   (an sdist upstream)
 #           (and the SmolLM2 tokenizer files in .bench/smollm2-tokenizer: `opd stage prepare` once, then
 #            copy artifacts/store/tokenizer/<digest> there; .whl and .bench in .git/info/exclude)
-#   device: run(command="bash benchmarks/device_run.sh [tests|bench|all|decode]", carry=[".whl", ".bench"])
-#   (decode: benchmarks/decode_kernels.py's variants, OPD_DECODE_VARIANTS / OPD_DECODE_SHAPES)
+#           py-spy==0.4.3   (for `first`)
+#   device: run(command="bash benchmarks/device_run.sh [tests|bench|all|decode|first]", carry=[".whl", ".bench"])
+#   (decode: benchmarks/decode_kernels.py's variants, OPD_DECODE_VARIANTS / OPD_DECODE_SHAPES;
+#    first: benchmarks/first_update.py, fresh processes' construction + first update, the last sampled
+#    by py-spy, ~2 min; OPD_FIRST_EXTRA: more of its options)
 # The embedded GGUF model is over the carry limit, so tests take the tokenizer from .bench
 # (OPD_TEST_TOKENIZER) and the benchmark builds random-init models of the real shapes.
 # Durations seen on the H200 (2026-12-01, with the compiled decode step): tests ~390 s (the byte-
@@ -37,7 +40,7 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
-export PYTHONPATH=/tmp/site:$PWD OPD_TEST_TOKENIZER=$PWD/.bench/smollm2-tokenizer TOKENIZERS_PARALLELISM=false
+export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD OPD_TEST_TOKENIZER=$PWD/.bench/smollm2-tokenizer TOKENIZERS_PARALLELISM=false
 # Bytecode: the image's torch ships no .pyc files (env.txt, 2026-12-01 75529ba: 0, dir writable) and
 # the carried wheels install uncompiled, so every fresh process compiled its imports from source (~9 s
 # of builtins.compile under cProfile in one first update, -5382a9e-profile.txt): an installation
@@ -66,6 +69,12 @@ if [ "$what" = decode ]; then
   python3 benchmarks/decode_kernels.py --shapes "${OPD_DECODE_SHAPES:-a,b}" \
     --variants "${OPD_DECODE_VARIANTS:-kernels,kernels:nodraw,fused,fused:nodraw,compiled,eager}" --out "$out/decode" 2>&1 \
     | tee "$out/decode.log" | tail -20
+  rc=${PIPESTATUS[0]}
+fi
+if [ "$what" = first ]; then
+  # shellcheck disable=SC2086
+  python3 benchmarks/first_update.py --tokenizer .bench/smollm2-tokenizer --out "$out/first" --runs 3 ${OPD_FIRST_EXTRA:-} 2>&1 \
+    | tee "$out/first.log" | tail -40
   rc=${PIPESTATUS[0]}
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then

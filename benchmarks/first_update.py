@@ -1,0 +1,172 @@
+"""Where the seconds before the first update go: fresh `opd stage train` processes (1 update, a
+fresh store each) on the seed workload's models, timed piece by piece, the last one sampled by
+py-spy (a sampling profiler: unlike cProfile it does not slow each Python call, so imports and
+calls through torch's dispatcher keep their real proportions).
+
+    python benchmarks/first_update.py --tokenizer DIR --out DIR [--runs 2] [--sampler py-spy] [--smoke]
+
+Writes <out>/first-update.json and .md: per process its wall time, `first_update_s` and
+`timings.startup_s` (train.json), and for the sampled one the main thread's inclusive and own
+seconds per function (samples / rate), every thread's total, and the raw stacks (first-update.pyspy.gz).
+The first process runs on whatever compile caches the machine has; the later ones find them warm.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import systems  # noqa: E402  (seed store, overrides, fresh artifacts: the systems benchmark's own)
+
+RATE = 200  # samples per second
+FRAME = re.compile(r"^(?P<fn>.*) \((?P<where>[^()]*?)(?::\d+)?\)$")
+
+
+def frame_key(frame: str) -> str:
+    """'forward (/x/site-packages/transformers/models/llama/modeling_llama.py:364)' ->
+    'forward (transformers/models/llama/modeling_llama.py)': one key per function, lines merged."""
+    m = FRAME.match(frame)
+    if not m:
+        return frame
+    where = re.sub(r"^.*?/(site|dist)-packages/", "", m["where"])
+    where = re.sub(rf"^{re.escape(str(ROOT))}/", "", where)
+    return f"{m['fn']} ({where})"
+
+
+def summarise(raw: Path, top: int = 60) -> dict:
+    """py-spy's raw (collapsed) stacks -> seconds per thread, and the main thread's inclusive (each
+    function once per stack) and own (leaf) seconds per function."""
+    stacks = []
+    text = gzip.open(raw, "rt").read() if raw.suffix == ".gz" else raw.read_text()
+    for line in text.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if stack and n.isdigit():
+            frames = stack.split(";")
+            head = next((f for f in frames if f.startswith("thread (")), "thread (?)")
+            stacks.append((re.match(r"thread \((\w+)", head)[1] if head != "thread (?)" else "?", head, frames, int(n)))
+    names = {tid: head for tid, head, _, _ in stacks if ":" in head}  # 'thread (0x..): MainThread' once named
+    threads = Counter()
+    for tid, _, _, n in stacks:
+        threads[names.get(tid, f"thread ({tid})")] += n
+    main = next((tid for tid, head in names.items() if head.endswith("MainThread")), None)
+    incl, own = Counter(), Counter()
+    for tid, _, frames, n in stacks:
+        if tid != main:
+            continue
+        body = [frame_key(f) for f in frames if not f.startswith(("thread (", "process "))]
+        for k in set(body):
+            incl[k] += n
+        if body:
+            own[body[-1]] += n
+    s = lambda c, k: [[key, round(v / RATE, 3)] for key, v in c.most_common(k)]  # noqa: E731
+    return {"rate_hz": RATE, "threads_s": s(threads, 20), "main_inclusive_s": s(incl, top),
+            "main_own_s": s(own, top // 2)}
+
+
+def one_process(w: dict, work: Path, tok: str, tag: str, sampler: str | None, extra: tuple[str, ...]) -> dict:
+    from stages.blocks import config
+
+    art = systems.fresh_artifacts(work, tag)
+    over = [o for o in systems.overrides_for(w, work, tok, art, tag, extra) if not o.startswith("train.updates=")]
+    params = work / tag / "params.yaml"
+    params.write_text(json.dumps(config.to_dict(config.compose([*over, "train.updates=1"]))))
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "stages.cli", "stage", "train", "--params", str(params)]
+    raw = work / tag / "first-update.pyspy"
+    out: dict = {"name": tag}
+    if sampler == "py-spy":
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        # --native adds torch's C++ frames where the machine lets py-spy unwind them (ptrace);
+        # without it, time in C is charged to the Python function that called it
+        for native in (["--nonblocking"],):
+            pre = [spy, "record", "-r", str(RATE), "--idle", "--threads", "-f", "raw", "-o", str(raw), *native, "--"]
+            t = time.perf_counter()
+            r = subprocess.run(pre + cmd, cwd=work / tag, env=env, capture_output=True, text=True)
+            if r.returncode == 0 and raw.exists():
+                out["sampler"] = f"py-spy {' '.join(native) or '(Python frames only)'}"
+                break
+            out.setdefault("sampler_errors", []).append(r.stderr[-1500:])
+            shutil.rmtree(art)  # the next try starts from a fresh store again
+            art = systems.fresh_artifacts(work, tag)
+    else:
+        t = time.perf_counter()
+        r = subprocess.run(cmd, cwd=work / tag, env=env, capture_output=True, text=True)
+    out["process_wall_s"] = round(time.perf_counter() - t, 2)
+    if r.returncode:
+        raise RuntimeError(f"{tag} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    timings = json.loads((art / "runs" / tag / "train.json").read_text())["timings"]
+    out["first_update_s"] = timings.get("first_update_s")
+    out["startup_s"] = timings.get("startup_s")
+    if raw.exists():
+        out["profile"] = summarise(raw)
+        out["raw"] = str(raw)
+    return out
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# First update, piece by piece ({res['device']}, torch {res['torch']})", "",
+             f"Command: `{res['command']}`", "",
+             "| process | wall s | first update s | construction pieces (s since the session opened) |", "|---|---|---|---|"]
+    for p in res["processes"]:
+        pieces = ", ".join(f"{k} {v}" for k, v in sorted((p.get("startup_s") or {}).items(), key=lambda kv: kv[1]))
+        lines.append(f"| {p['name']} ({p.get('sampler', 'unsampled')}) | {p['process_wall_s']} | {p['first_update_s']} | {pieces} |")
+    for p in res["processes"]:
+        if "profile" not in p:
+            continue
+        prof = p["profile"]
+        lines += ["", f"## {p['name']}: {p['sampler']}, {prof['rate_hz']} Hz, idle time included", "",
+                  "Seconds per thread: " + "; ".join(f"{k} {v}" for k, v in prof["threads_s"]), "",
+                  "Main thread, inclusive (each function once per stack):", "", "| s | function |", "|---|---|"]
+        lines += [f"| {v} | `{k}` |" for k, v in prof["main_inclusive_s"]]
+        lines += ["", "Main thread, own (the innermost frame):", "", "| s | function |", "|---|---|"]
+        lines += [f"| {v} | `{k}` |" for k, v in prof["main_own_s"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--runs", type=int, default=2, help="fresh processes, one after another")
+    ap.add_argument("--sampler", choices=["py-spy", "none"], default="py-spy", help="for the last process")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random models (the driver end to end)")
+    ap.add_argument("--set", action="append", default=[], help="more overrides for our runs (key=value)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        systems.DEVICE = "cpu"
+    w = systems.WORKLOAD_SMOKE if args.smoke else systems.WORKLOAD_A
+    work = Path(tempfile.mkdtemp(prefix="opd-first-"))
+    tok = str(Path(args.tokenizer).resolve())
+    import torch
+
+    res = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(0) if systems.DEVICE == "cuda" else "cpu",
+           "shape": w, "seed": systems.seed_store(w, work, tok), "processes": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    for i in range(args.runs):
+        last = i == args.runs - 1
+        res["processes"].append(one_process(w, work, tok, f"first-{i + 1}", args.sampler if last else None,
+                                            tuple(args.set)))
+        (args.out / "first-update.json").write_text(json.dumps(res, indent=1) + "\n")
+        (args.out / "first-update.md").write_text(markdown(res))
+    raw = res["processes"][-1].get("raw")
+    if raw:  # the raw stacks, for `summarise` or flamegraph.pl (~6 MB of text, ~0.2 MB compressed)
+        with open(raw, "rb") as f, gzip.open(args.out / "first-update.pyspy.gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""benchmarks/first_update.py's summary of py-spy's raw stacks (seconds = samples / rate)."""
+from __future__ import annotations
+
+import gzip
+import sys
+
+from support import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import first_update  # noqa: E402
+
+RAW = f"""\
+process 7:"python -m stages.cli";thread (0x1): MainThread;main ({ROOT}/stages/cli.py:10);load ({ROOT}/stages/blocks/models.py:200);<module> (/x/lib/python3.12/site-packages/sklearn/__init__.py:1) 300
+process 7:"python -m stages.cli";thread (0x1): MainThread;main ({ROOT}/stages/cli.py:12);load ({ROOT}/stages/blocks/models.py:219);from_pretrained (/x/lib/python3.12/site-packages/transformers/modeling_utils.py:3818) 100
+process 7:"python -m stages.cli";thread (0x1);<module> (<frozen runpy>:1) 20
+process 7:"python -m stages.cli";thread (0x2): opd-verify;_check ({ROOT}/stages/blocks/store.py:90) 50
+"""
+
+
+def test_summary_charges_each_function_once_per_stack_and_merges_lines(tmp_path):
+    raw = tmp_path / "first.pyspy"
+    raw.write_text(RAW)
+    s = first_update.summarise(raw)
+    assert s["threads_s"] == [["thread (0x1): MainThread", 2.1], ["thread (0x2): opd-verify", 0.25]]
+    incl = dict(s["main_inclusive_s"])
+    # main and load at two lines each: one key per function, paths relative to the repo / site-packages
+    assert incl["main (stages/cli.py)"] == 2.0 and incl["load (stages/blocks/models.py)"] == 2.0
+    assert incl["<module> (sklearn/__init__.py)"] == 1.5
+    assert incl["<module> (<frozen runpy>)"] == 0.1  # the main thread's samples before it was named
+    assert dict(s["main_own_s"]) == {"<module> (sklearn/__init__.py)": 1.5,
+                                     "from_pretrained (transformers/modeling_utils.py)": 0.5,
+                                     "<module> (<frozen runpy>)": 0.1}
+    md = first_update.markdown({"device": "cpu", "torch": "x", "command": "c", "processes": [
+        {"name": "first-1", "sampler": "py-spy --nonblocking", "process_wall_s": 3.0, "first_update_s": 2.0,
+         "startup_s": {"update_done": 2.0, "prepared": 0.1}, "profile": s}]})
+    assert "| first-1 (py-spy --nonblocking) | 3.0 | 2.0 | prepared 0.1, update_done 2.0 |" in md
+    assert "| 1.5 | `<module> (sklearn/__init__.py)` |" in md
+    gz = tmp_path / "first.pyspy.gz"  # as the driver keeps it
+    gz.write_bytes(gzip.compress(RAW.encode()))
+    assert first_update.summarise(gz) == s

@@ -33,7 +33,7 @@ if [ "${1:-}" = lock ]; then
   # shellcheck disable=SC2086
   "$venv/bin/pip" install -q -c "$pin" $VERL_DEPS
   { echo "# Exact versions of everything ./install.sh test installs into .venv (./install.sh: the subset it needs;"
-    echo "# tests/verl/side.py pins its side installs itself)."
+    echo "# tests/side.py pins its side installs itself)."
     echo "# Made by \`./install.sh lock\`: pip freeze of a fresh venv (python $("$venv/bin/python" -c 'import platform; print(platform.python_version())'), $(uname -m)); do not edit by hand."
     "$venv/bin/pip" freeze --exclude-editable | sed 's/^\(torch==[^+]*\)+.*/\1/'
   } > "$LOCK.tmp"
@@ -63,13 +63,15 @@ if [ "${1:-}" = test ]; then
   # shellcheck disable=SC2086
   pip install -q -c "$cons" $VERL_DEPS
 fi
-# verl bundle tests (tests/verl): two side installs, exact pins, --no-deps, outside the venv's site-packages
-# (tests/verl/side.py holds the pins and puts them first on a subprocess's PYTHONPATH; it also creates them
+# Side installs for tests (tests/verl, tests/blocks/test_imports.py): exact pins, --no-deps, outside the venv's site-packages
+# (tests/side.py holds the pins and puts them first on a subprocess's PYTHONPATH; it also creates them
 # on first use, from PyPI; OPD_SIDE_DIR moves them from ~/.cache/opd-stages/side):
 #   transformers==4.57.6 tokenizers==0.22.2 huggingface_hub==0.36.2  (verl 0.8.0's vLLM pin needs transformers<5)
 #   torchdata==0.11.0 cachetools==8.0.2 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 opentelemetry-api==1.45.2
 #   (what `python -m verl.trainer.main_ppo` imports at startup beyond the conformance extra)
-if [ "${1:-}" = test ]; then python tests/verl/side.py; fi
+#   transformers==5.17.0 huggingface_hub==1.33.0 httpx==0.29.0 httpcore==1.0.9 scikit-learn==1.9.1 scipy==1.17.1 joblib==1.6.0 threadpoolctl==3.8.0 narwhals==2.29.0
+#   (the GPU machine's transformers, which imports scikit-learn with its generation code)
+if [ "${1:-}" = test ]; then python tests/side.py; fi
 # Triton, for the fused decode kernels' CPU tests (tests/blocks/test_kernels.py runs them through its
 # interpreter); CPU builds of torch do not depend on it. --no-deps: it declares none torch needs.
 if [ "${1:-}" = test ] && ! python -c "import triton" 2>/dev/null; then pip install -q --no-deps triton==3.9.0; fi

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from . import identity
+from . import identity, imports
 from .config import ROOT, LoraCfg, ModelCfg
 from .errors import UserError
 from .store import Store, canonical, file_hash, seed_of
@@ -120,6 +120,7 @@ def embedded_tokenizer():
 
 def materialize(mcfg: ModelCfg, out: Path, seed: int, tokenizer_dir: Path | None = None) -> None:
     """Write a safetensors model dir (+ tokenizer files) for `mcfg` into `out`."""
+    imports.transformers_generation()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     name, tok = mcfg.name, None
@@ -199,12 +200,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load(model_dir: Path, mcfg: ModelCfg, device: torch.device, dtype: torch.dtype):
     """Load a materialised model for inference or LoRA training (weights frozen)."""
+    imports.transformers_generation()
     from transformers import AutoModelForCausalLM
 
     kw = {}
     if mcfg.quant != "none":
         try:
-            import_bitsandbytes()
+            imports.bitsandbytes()
             import bitsandbytes  # noqa: F401
             from transformers import BitsAndBytesConfig
         except ImportError:
@@ -296,43 +298,8 @@ def uncompile_layers(model) -> None:
         layer._compiled_call_impl = None
 
 
-def import_bitsandbytes() -> None:
-    """Import bitsandbytes (when installed and not imported yet) with its import-time torch.compile
-    calls made lazy. bitsandbytes 0.50 wraps four of its default (CPU) kernels in torch.compile as it is imported,
-    and torch.compile imports Inductor on the spot (0.73 s on a 2-core Xeon, torch 2.13). peft
-    imports bitsandbytes whenever it is installed, so every training process paid that, quantized
-    or not, though nothing in it compiles on the default path. Each wrapper now makes its compiled
-    function at its first call instead, which is when torch.compile compiles anyway. Call it before
-    the process's first import of peft or bitsandbytes."""
-    import sys
-
-    if "bitsandbytes" in sys.modules or importlib.util.find_spec("bitsandbytes") is None:
-        return
-    import functools
-
-    real = torch.compile
-
-    def lazy(fn=None, **kw):
-        if fn is None:  # used as @torch.compile(**kw)
-            return lambda f: lazy(f, **kw)
-        made = []
-
-        @functools.wraps(fn)
-        def first_call(*a, **k):
-            if not made:
-                made.append(real(fn, **kw))
-            return made[0](*a, **k)
-        return first_call
-
-    torch.compile = lazy
-    try:
-        import bitsandbytes  # noqa: F401
-    finally:
-        torch.compile = real
-
-
 def add_lora(model, lcfg: LoraCfg, seed: int):
-    import_bitsandbytes()  # (before peft, which imports it)
+    imports.bitsandbytes()  # (before peft, which imports it)
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)  # LoRA A init is random; B is zero, so policy 0 == the base model

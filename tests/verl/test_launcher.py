@@ -1,7 +1,7 @@
 """verl's real launcher on the bundle, as far as a machine without GPUs and vLLM goes: the bundle is
 copied elsewhere (it must not depend on where it was written), its checksums verified there, and its
 launch.sh run from a third directory with `--cfg job`, so `python -m verl.trainer.main_ppo` imports
-everything it imports at startup (tests/verl/side.py: the verl-runtime pins), composes verl's Hydra
+everything it imports at startup (tests/side.py: the verl-runtime pins), composes verl's Hydra
 config with the overrides and prints the job config instead of starting Ray. That config must be the
 one the export validated, with every path inside the moved bundle."""
 from __future__ import annotations
@@ -71,5 +71,5 @@ def test_side_pins_are_the_ones_install_sh_names():
     install = (ROOT / "install.sh").read_text()
     for pins in SIDE.values():
         for pin in pins:
-            assert f" {pin}" in install, f"install.sh's verl block does not name {pin}"
-    assert "python tests/verl/side.py" in install
+            assert f" {pin}" in install, f"install.sh's side-install block does not name {pin}"
+    assert "python tests/side.py" in install

@@ -1,10 +1,12 @@
-"""Side installs for the verl bundle tests: exact pins, --no-deps, into a cache dir outside the venv's
-site-packages, put first on a subprocess's PYTHONPATH (torch, numpy, peft, ... still come from the venv).
+"""Side installs for tests that need other versions than the venv's: exact pins, --no-deps, into a
+cache dir outside the venv's site-packages, put first on a subprocess's PYTHONPATH (torch, numpy,
+peft, ... still come from the venv).
 
     transformers-4.57   what verl 0.8.0 runs on: its vLLM extra pins vllm<=0.12, which needs transformers<5
     verl-runtime        the imports `python -m verl.trainer.main_ppo` makes beyond the conformance extra
+    transformers-5.17   the GPU machine's transformers, with scikit-learn (tests/blocks/test_imports.py)
 
-Created on first use (one pip call each, from PyPI), or up front by `python tests/verl/side.py` (install.sh
+Created on first use (one pip call each, from PyPI), or up front by `python tests/side.py` (install.sh
 test does). OPD_SIDE_DIR moves the cache (default ~/.cache/opd-stages/side).
 """
 from __future__ import annotations
@@ -21,6 +23,8 @@ SIDE = {
     "transformers-4.57": ["transformers==4.57.6", "tokenizers==0.22.2", "huggingface_hub==0.36.2"],
     "verl-runtime": ["torchdata==0.11.0", "cachetools==8.0.2", "fastapi==0.165.0", "starlette==1.10.0",
                      "uvicorn==0.54.0", "opentelemetry-api==1.45.2"],
+    "transformers-5.17": ["transformers==5.17.0", "huggingface_hub==1.33.0", "httpx==0.29.0", "httpcore==1.0.9", "scikit-learn==1.9.1", "scipy==1.17.1",
+                          "joblib==1.6.0", "threadpoolctl==3.8.0", "narwhals==2.29.0"],
 }
 
 

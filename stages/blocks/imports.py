@@ -1,0 +1,79 @@
+"""Third-party imports without the import-time work this process does not need
+(docs/architecture.md, "Startup"). Each function imports one library the way transformers or peft
+would, with one costly piece of its import deferred to where it is first used; nothing computed
+changes. Call each before the process's first import of the library (a no-op after it)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import torch
+
+
+def bitsandbytes() -> None:
+    """Import bitsandbytes (when installed and not imported yet) with its import-time torch.compile
+    calls made lazy. bitsandbytes 0.50 wraps four of its default (CPU) kernels in torch.compile as it is imported,
+    and torch.compile imports Inductor on the spot (0.73 s on a 2-core Xeon, torch 2.13). peft
+    imports bitsandbytes whenever it is installed, so every training process paid that, quantized
+    or not, though nothing in it compiles on the default path. Each wrapper now makes its compiled
+    function at its first call instead, which is when torch.compile compiles anyway. Call it before
+    the process's first import of peft or bitsandbytes."""
+    import sys
+
+    if "bitsandbytes" in sys.modules or importlib.util.find_spec("bitsandbytes") is None:
+        return
+    import functools
+
+    real = torch.compile
+
+    def lazy(fn=None, **kw):
+        if fn is None:  # used as @torch.compile(**kw)
+            return lambda f: lazy(f, **kw)
+        made = []
+
+        @functools.wraps(fn)
+        def first_call(*a, **k):
+            if not made:
+                made.append(real(fn, **kw))
+            return made[0](*a, **k)
+        return first_call
+
+    torch.compile = lazy
+    try:
+        import bitsandbytes  # noqa: F401
+    finally:
+        torch.compile = real
+
+
+def transformers_generation() -> None:
+    """Import transformers' generation code (every model class's GenerationMixin) with its
+    scikit-learn import deferred. transformers before 5.24 imports `sklearn.metrics.roc_curve` as
+    `generation/candidate_generator.py` is imported, wherever scikit-learn is installed, for
+    assisted generation's adaptive confidence threshold alone; that import brings in scipy too:
+    3.2 s of a fresh process's first update on the H200 (benchmarks/results/
+    2026-12-02-h200-6c400fd-first-update.md). 5.24 imports it where it is used; this does the same for
+    older versions: the module is imported seeing no scikit-learn, then gets the real availability
+    check back and a `roc_curve` that imports scikit-learn's at its first call."""
+    name = "transformers.generation.candidate_generator"
+    if name in sys.modules or importlib.util.find_spec("sklearn") is None:
+        return
+    import transformers
+    import transformers.utils as tu
+    from packaging.version import Version
+
+    if Version(transformers.__version__) >= Version("5.24"):  # (imports it lazily itself)
+        return
+    real = tu.is_sklearn_available
+    tu.is_sklearn_available = lambda: False  # what the module's `from ..utils import ...` binds while importing
+    try:
+        import transformers.generation.candidate_generator as cg
+    finally:
+        tu.is_sklearn_available = real
+    cg.is_sklearn_available = real
+
+    def roc_curve(*a, **k):
+        from sklearn.metrics import roc_curve as f
+
+        return f(*a, **k)
+
+    cg.roc_curve = roc_curve

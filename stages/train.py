@@ -119,6 +119,10 @@ def run(sess: Session) -> dict:
         # and its first rollout, not in line before each load (~1 s for the seed workload's 4.1 GB)
         for role in ("student", "teacher"):
             sess.store.verify_soon(sess.store.path("model", prepared[role]))
+        if sess.device.type == "cuda":  # and Triton's cache key, which the first rollout's kernels need
+            from .blocks import kernels
+
+            kernels.cache_key_soon()
     sess.mark("prepared")
     policy0(sess)
     sess.mark("policy0_published")

@@ -50,6 +50,33 @@ WARPS = None  # warps per program; None: one, and one more per 4,096 elements pa
 PDL = True
 
 
+def cache_key_soon():
+    """Start computing Triton's cache key on a daemon thread. Triton keys its kernel cache on a hash of
+    its own sources and its ~500 MB libtriton.so, computed (once per process, cached) at the first
+    kernel launch, on the launching thread: 0.4 s of the H200's first rollout
+    (benchmarks/results/2026-12-02-h200-6c400fd-first-update.md). Reading and sha256 release the
+    interpreter, so it runs beside the models' loads; the launch then finds it cached (or, still
+    running, computes it as before). Returns the thread (None without Triton)."""
+    if triton is None:
+        return None
+    import threading
+
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # (a Triton that keys its cache otherwise)
+        return None
+
+    def run() -> None:
+        try:
+            triton_key()
+        except Exception:  # noqa: BLE001  only a head start: the first launch computes it itself
+            pass
+
+    t = threading.Thread(target=run, name="opd-triton-key", daemon=True)
+    t.start()
+    return t
+
+
 def pdl(device) -> bool:
     """Whether launches on `device` take programmatic dependent launch: PDL on and compute capability
     9.0 or later (griddepcontrol is a Hopper instruction; older GPUs launch plainly).

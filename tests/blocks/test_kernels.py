@@ -94,3 +94,19 @@ def test_project_refuses_layouts_it_cannot_read():
         kernels.project(x, w, None, None, None, 1e-5, False)
     with pytest.raises(RuntimeError, match="resid must be"):
         kernels.project(x, w.contiguous(), None, None, torch.zeros(2, 5, dtype=torch.float16), 1e-5, False)
+
+
+def test_cache_key_soon_leaves_triton_its_key_computed_on_a_thread_of_its_own():
+    """The first kernel launch of a process finds Triton's cache key (a hash of libtriton.so)
+    computed already, on the opd-triton-key thread, and the same key as computed in line."""
+    from triton.runtime.cache import triton_key
+
+    triton_key.cache_clear()
+    t = kernels.cache_key_soon()
+    assert t.name == "opd-triton-key"
+    t.join(timeout=120)
+    assert not t.is_alive() and triton_key.cache_info().currsize == 1
+    key = triton_key()
+    assert triton_key.cache_info().hits == 1  # the launch's call: a cache hit, nothing hashed again
+    triton_key.cache_clear()
+    assert triton_key() == key

@@ -17,7 +17,7 @@ import time
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import prepare, rollout, score, sft, update
-from .blocks import runview
+from .blocks import kernels, runview
 from .blocks.config import Config
 from .blocks.store import fault, read_state, write_json
 from .session import Session
@@ -120,8 +120,6 @@ def run(sess: Session) -> dict:
         for role in ("student", "teacher"):
             sess.store.verify_soon(sess.store.path("model", prepared[role]))
         if sess.device.type == "cuda":  # and Triton's cache key, which the first rollout's kernels need
-            from .blocks import kernels
-
             kernels.cache_key_soon()
     sess.mark("prepared")
     policy0(sess)

@@ -11,7 +11,7 @@
 #   device: run(command="bash benchmarks/device_run.sh [tests|bench|all|decode|first]", carry=[".whl", ".bench"])
 #   (decode: benchmarks/decode_kernels.py's variants, OPD_DECODE_VARIANTS / OPD_DECODE_SHAPES;
 #    first: benchmarks/first_update.py, fresh processes' construction + first update, the last sampled
-#    by py-spy, ~2 min; OPD_FIRST_EXTRA: more of its options)
+#    by py-spy; OPD_FIRST_EXTRA: more of its options)
 # The embedded GGUF model is over the carry limit, so tests take the tokenizer from .bench
 # (OPD_TEST_TOKENIZER) and the benchmark builds random-init models of the real shapes.
 # Durations seen on the H200 (2026-12-01, with the compiled decode step): tests ~390 s (the byte-
@@ -33,7 +33,8 @@
 # The device copy's .git is not refreshed with the work tree (2026-12-01: `git rev-parse HEAD` there
 # printed the session's first commit in every call): name the commit that ran from here, not from it.
 # At most 8 files come back from $OUT: env.txt, gpu-tests.log, gpu-replay.json, systems.log,
-# profile.txt, systems/<date>-<gpu>-systems.{json,md}.
+# profile.txt, systems/<date>-<gpu>-systems.{json,md}; `first`: env.txt, first.log,
+# first/first-update.{json,md,pyspy.gz} (133 s on a fresh machine, 2026-12-02).
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-/tmp/out}

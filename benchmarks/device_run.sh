@@ -8,10 +8,11 @@
 #           (and the SmolLM2 tokenizer files in .bench/smollm2-tokenizer: `opd stage prepare` once, then
 #            copy artifacts/store/tokenizer/<digest> there; .whl and .bench in .git/info/exclude)
 #           py-spy==0.4.3   (for `first`)
-#   device: run(command="bash benchmarks/device_run.sh [tests|bench|all|decode|first]", carry=[".whl", ".bench"])
+#   device: run(command="bash benchmarks/device_run.sh [tests|bench|all|decode|first|sdpa]", carry=[".whl", ".bench"])
 #   (decode: benchmarks/decode_kernels.py's variants, OPD_DECODE_VARIANTS / OPD_DECODE_SHAPES;
 #    first: benchmarks/first_update.py, fresh processes' construction + first update, the last sampled
-#    by py-spy; OPD_FIRST_EXTRA: more of its options)
+#    by py-spy; OPD_FIRST_EXTRA: more of its options; sdpa: benchmarks/sdpa_first_call.py, the first
+#    attention calls per SDPA backend at the seed shapes, a fresh process each)
 # The embedded GGUF model is over the carry limit, so tests take the tokenizer from .bench
 # (OPD_TEST_TOKENIZER) and the benchmark builds random-init models of the real shapes.
 # Durations seen on the H200 (2026-12-01, with the compiled decode step): tests ~390 s (the byte-
@@ -76,6 +77,10 @@ if [ "$what" = first ]; then
   # shellcheck disable=SC2086
   python3 benchmarks/first_update.py --tokenizer .bench/smollm2-tokenizer --out "$out/first" --runs 3 ${OPD_FIRST_EXTRA:-} 2>&1 \
     | tee "$out/first.log" | tail -40
+  rc=${PIPESTATUS[0]}
+fi
+if [ "$what" = sdpa ]; then
+  python3 benchmarks/sdpa_first_call.py --out "$out/sdpa" 2>&1 | tee "$out/sdpa.log" | tail -20
   rc=${PIPESTATUS[0]}
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then

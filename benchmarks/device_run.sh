@@ -27,8 +27,8 @@
 # "tests/gpu/test_gpu_identity.py tests/gpu/test_gpu_replay.py" and the rest: "tests
 # --ignore=tests/gpu/test_gpu_identity.py --ignore=tests/gpu/test_gpu_replay.py".
 # OPD_BENCH_EXTRA: more systems.py options, later ones win (e.g. "--ours default --peers miniverl").
-# OPD_PROFILE=1: also a torch.profiler table of one step, the rollout split and a cProfile of the first
-# update (profile.txt; ~60 s more for the default arm).
+# OPD_PROFILE=1: also a torch.profiler table of one step and the rollout split (profile.txt); the first
+# update's construction is `first` (py-spy; cProfile distorted it).
 # OPD_DEADLINE_S (default 520): seconds from this script's start by which the benchmark stops
 # starting systems (the ones skipped are recorded as such), so the call ends inside its limit.
 # The device copy's .git is not refreshed with the work tree (2026-12-01: `git rev-parse HEAD` there

@@ -4,6 +4,7 @@ py-spy (a sampling profiler: unlike cProfile it does not slow each Python call, 
 calls through torch's dispatcher keep their real proportions).
 
     python benchmarks/first_update.py --tokenizer DIR --out DIR [--runs 2] [--sampler py-spy] [--smoke]
+    python benchmarks/first_update.py --explain FILE.pyspy.gz --under 'make_graphed_callables' [--under ...]
 
 Writes <out>/first-update.json and .md: per process its wall time, `first_update_s` and
 `timings.startup_s` (train.json), and for the sampled one the main thread's inclusive and own
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -44,64 +44,69 @@ def frame_key(frame: str) -> str:
     return f"{m['fn']} ({where})"
 
 
-def summarise(raw: Path, top: int = 60) -> dict:
-    """py-spy's raw (collapsed) stacks -> seconds per thread, and the main thread's inclusive (each
-    function once per stack) and own (leaf) seconds per function."""
-    stacks = []
+def stacks(raw: Path) -> tuple[Counter, list[tuple[list[str], int]]]:
+    """py-spy's raw (collapsed) stacks, gzipped or not -> (samples per thread, the main thread's
+    stacks as (function keys outermost first, samples))."""
+    rows = []
     text = gzip.open(raw, "rt").read() if raw.suffix == ".gz" else raw.read_text()
     for line in text.splitlines():
         stack, _, n = line.rpartition(" ")
         if stack and n.isdigit():
             frames = stack.split(";")
             head = next((f for f in frames if f.startswith("thread (")), "thread (?)")
-            stacks.append((re.match(r"thread \((\w+)", head)[1] if head != "thread (?)" else "?", head, frames, int(n)))
-    names = {tid: head for tid, head, _, _ in stacks if ":" in head}  # 'thread (0x..): MainThread' once named
+            rows.append((re.match(r"thread \((\w+)", head)[1] if head != "thread (?)" else "?", head, frames, int(n)))
+    names = {tid: head for tid, head, _, _ in rows if ":" in head}  # 'thread (0x..): MainThread' once named
     threads = Counter()
-    for tid, _, _, n in stacks:
+    for tid, _, _, n in rows:
         threads[names.get(tid, f"thread ({tid})")] += n
     main = next((tid for tid, head in names.items() if head.endswith("MainThread")), None)
+    return threads, [([frame_key(f) for f in frames if not f.startswith(("thread (", "process "))], n)
+                     for tid, _, frames, n in rows if tid == main]
+
+
+def seconds(c: Counter, k: int) -> list[list]:
+    return [[key, round(v / RATE, 3)] for key, v in c.most_common(k)]
+
+
+def summarise(raw: Path, top: int = 60) -> dict:
+    """Seconds per thread, and the main thread's inclusive (each function once per stack) and own
+    (innermost frame) seconds per function."""
+    threads, main = stacks(raw)
     incl, own = Counter(), Counter()
-    for tid, _, frames, n in stacks:
-        if tid != main:
-            continue
-        body = [frame_key(f) for f in frames if not f.startswith(("thread (", "process "))]
+    for body, n in main:
         for k in set(body):
             incl[k] += n
         if body:
             own[body[-1]] += n
-    s = lambda c, k: [[key, round(v / RATE, 3)] for key, v in c.most_common(k)]  # noqa: E731
-    return {"rate_hz": RATE, "threads_s": s(threads, 20), "main_inclusive_s": s(incl, top),
-            "main_own_s": s(own, top // 2)}
+    return {"rate_hz": RATE, "threads_s": seconds(threads, 20), "main_inclusive_s": seconds(incl, top),
+            "main_own_s": seconds(own, top // 2)}
+
+
+def under(raw: Path, name: str, top: int = 15) -> list[list]:
+    """The main thread's seconds inside the outermost frame whose key starts with `name`, per
+    function it called there ('(itself)': the frame's own samples)."""
+    c = Counter()
+    for body, n in stacks(raw)[1]:
+        i = next((i for i, k in enumerate(body) if k.startswith(name)), None)
+        if i is not None:
+            c[body[i + 1] if i + 1 < len(body) else "(itself)"] += n
+    return seconds(c, top)
 
 
 def one_process(w: dict, work: Path, tok: str, tag: str, sampler: str | None, extra: tuple[str, ...]) -> dict:
-    from stages.blocks import config
-
-    art = systems.fresh_artifacts(work, tag)
-    over = [o for o in systems.overrides_for(w, work, tok, art, tag, extra) if not o.startswith("train.updates=")]
-    params = work / tag / "params.yaml"
-    params.write_text(json.dumps(config.to_dict(config.compose([*over, "train.updates=1"]))))
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "stages.cli", "stage", "train", "--params", str(params)]
-    raw = work / tag / "first-update.pyspy"
+    cmd, cwd, env, art = systems.one_update_run(w, work, tok, tag, extra)
+    raw = cwd / "first-update.pyspy"
     out: dict = {"name": tag}
     if sampler == "py-spy":
+        # --nonblocking: samples without stopping the process (~3% on a tiny CPU run, where --native,
+        # which stops it to unwind C++ frames, made it ten times slower); time in C is charged to
+        # the Python function that called it
         spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-        # --native adds torch's C++ frames where the machine lets py-spy unwind them (ptrace);
-        # without it, time in C is charged to the Python function that called it
-        for native in (["--nonblocking"],):
-            pre = [spy, "record", "-r", str(RATE), "--idle", "--threads", "-f", "raw", "-o", str(raw), *native, "--"]
-            t = time.perf_counter()
-            r = subprocess.run(pre + cmd, cwd=work / tag, env=env, capture_output=True, text=True)
-            if r.returncode == 0 and raw.exists():
-                out["sampler"] = f"py-spy {' '.join(native) or '(Python frames only)'}"
-                break
-            out.setdefault("sampler_errors", []).append(r.stderr[-1500:])
-            shutil.rmtree(art)  # the next try starts from a fresh store again
-            art = systems.fresh_artifacts(work, tag)
-    else:
-        t = time.perf_counter()
-        r = subprocess.run(cmd, cwd=work / tag, env=env, capture_output=True, text=True)
+        cmd = [spy, "record", "-r", str(RATE), "--idle", "--threads", "--nonblocking", "-f", "raw", "-o", str(raw),
+               "--", *cmd]
+        out["sampler"] = "py-spy --nonblocking"
+    t = time.perf_counter()
+    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     out["process_wall_s"] = round(time.perf_counter() - t, 2)
     if r.returncode:
         raise RuntimeError(f"{tag} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
@@ -119,8 +124,8 @@ def markdown(res: dict) -> str:
              f"Command: `{res['command']}`", "",
              "| process | wall s | first update s | construction pieces (s since the session opened) |", "|---|---|---|---|"]
     for p in res["processes"]:
-        pieces = ", ".join(f"{k} {v}" for k, v in sorted((p.get("startup_s") or {}).items(), key=lambda kv: kv[1]))
-        lines.append(f"| {p['name']} ({p.get('sampler', 'unsampled')}) | {p['process_wall_s']} | {p['first_update_s']} | {pieces} |")
+        lines.append(f"| {p['name']} ({p.get('sampler', 'unsampled')}) | {p['process_wall_s']} | {p['first_update_s']} | "
+                     f"{systems.pieces(p.get('startup_s') or {})} |")
     for p in res["processes"]:
         if "profile" not in p:
             continue
@@ -136,13 +141,24 @@ def markdown(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokenizer", required=True)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--explain", type=Path, default=None,
+                    help="a recorded first-update.pyspy[.gz]: print where the main thread's time went under each "
+                         "--under function, and measure nothing")
+    ap.add_argument("--under", action="append", default=[], help="a function key's start, e.g. 'load (stages/'")
+    ap.add_argument("--tokenizer")
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--runs", type=int, default=2, help="fresh processes, one after another")
     ap.add_argument("--sampler", choices=["py-spy", "none"], default="py-spy", help="for the last process")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random models (the driver end to end)")
     ap.add_argument("--set", action="append", default=[], help="more overrides for our runs (key=value)")
     args = ap.parse_args(argv)
+    if args.explain:
+        for name in args.under:
+            print(f"\n{name}: s (main thread) per function it called\n" +
+                  "\n".join(f"{v:8.3f}  {k}" for k, v in under(args.explain, name)))
+        return 0
+    if not (args.tokenizer and args.out):
+        ap.error("--tokenizer and --out are needed to measure")
     if args.smoke:
         systems.DEVICE = "cpu"
     w = systems.WORKLOAD_SMOKE if args.smoke else systems.WORKLOAD_A

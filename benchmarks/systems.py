@@ -189,7 +189,6 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile: Pat
     if profile:  # (a failure here is recorded beside the measurement above, which stands)
         try:
             out["profiled_phases_s"] = profile_steps(overrides, w["updates"], profile)
-            out["profiled_first_update_s"] = profile_first_update(w, work, tokenizer, python, extra, name, profile)
         except Exception as e:  # noqa: BLE001
             import traceback
 
@@ -198,38 +197,22 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile: Pat
     return out
 
 
-def profile_first_update(w: dict, work: Path, tokenizer: str, python: str, extra: tuple[str, ...], name: str,
-                         out_file: Path) -> float:
-    """cProfile over a fresh process's construction and first update (`opd stage train`, 1 update,
-    a fresh store): where the seconds before the first step go. torch.compile's caches on disk are
-    warm from the runs before it (a user's second run on the machine). Appended to `out_file`."""
+def one_update_run(w: dict, work: Path, tokenizer: str, tag: str, extra: tuple[str, ...] = ()) -> tuple[list[str], Path, dict, Path]:
+    """A fresh `opd stage train` of one update on workload `w` in a fresh store (the construction and
+    first update alone, benchmarks/first_update.py): (command, its working dir, env, artifacts dir)."""
     from stages.blocks import config
 
-    tag = f"{name}-first"
     art = fresh_artifacts(work, tag)
-    params = work / tag / "params.yaml"
     over = [o for o in overrides_for(w, work, tokenizer, art, tag, extra) if not o.startswith("train.updates=")]
+    params = work / tag / "params.yaml"
     params.write_text(json.dumps(config.to_dict(config.compose([*over, "train.updates=1"]))))
-    prof = work / tag / "first.prof"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    t = time.perf_counter()
-    r = subprocess.run([python, "-m", "cProfile", "-o", str(prof), "-m", "stages.cli", "stage", "train",
-                        "--params", str(params)], cwd=work / tag, env=env, capture_output=True, text=True)
-    wall = round(time.perf_counter() - t, 2)
-    if r.returncode:
-        raise RuntimeError(f"profiled first update failed:\n{r.stderr[-3000:]}")
-    import io
-    import pstats
+    return [sys.executable, "-m", "stages.cli", "stage", "train", "--params", str(params)], work / tag, env, art
 
-    buf = io.StringIO()
-    pstats.Stats(str(prof), stream=buf).sort_stats("cumulative").print_stats(70)
-    pstats.Stats(str(prof), stream=buf).sort_stats("tottime").print_stats(40)  # where the time is spent itself
-    shutil.copy(prof, out_file.with_name("first.prof"))  # the whole profile, for pstats where it comes back
-    with open(out_file, "a") as f:
-        f.write(f"\n\nA fresh process and store (compile caches warm): construction + 1 update under cProfile, {wall} s "
-                f"(first_update_s {json.loads((art / 'runs' / tag / 'train.json').read_text())['timings'].get('first_update_s')})\n")
-        f.write(buf.getvalue())
-    return wall
+
+def pieces(startup_s: dict) -> str:
+    """train.json's timings.startup_s in the order the pieces finished: 'prepared 0.03, student_loaded 3.3, ...'."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(startup_s.items(), key=lambda kv: kv[1]))
 
 
 def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
@@ -405,9 +388,8 @@ def markdown(result: dict) -> str:
                 lines += ["", f"{s['name']}: {s['median_outside_phases_s']} s of each step outside the three phases "
                           f"(recorded pieces, median s: {io})"]
             if s.get("startup_s"):  # the first update's construction, piece by piece (train.json timings)
-                firsts = ", ".join(f"{k} {v}" for k, v in sorted(s["startup_s"].items(), key=lambda kv: kv[1]))
                 lines += ["", f"{s['name']}: the construction before the first update, s since the session opened "
-                          f"when each was first done: {firsts}"]
+                          f"when each was first done: {pieces(s['startup_s'])}"]
         if wres.get("ratios"):
             lines += ["", "Ratios (peer median s/update ÷ ours): " + ", ".join(f"{k}: {v}x" for k, v in wres["ratios"].items())]
         lines.append("")

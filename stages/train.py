@@ -73,10 +73,9 @@ def published_steps(sess: Session) -> list[int]:
             if (sess.store.path("update", sess.update_digest(k)) / "manifest.json").is_file()]
 
 
-def plan_line(sess: Session) -> str:
-    """One line before the loop: which steps earlier runs published (reused) and what is left."""
+def plan_line(sess: Session, published: list[int]) -> str:
+    """One line before the loop: which steps earlier runs published (`published_steps`; reused) and what is left."""
     K = sess.cfg.train.updates
-    published = published_steps(sess)
     todo = K - len(published)
     if not K:
         return "train: 0 updates (policy 0 only)"
@@ -114,7 +113,8 @@ def run(sess: Session) -> dict:
     cfg = sess.cfg
     # validate early and set up in dependency order: prepared inputs -> policy 0 -> loop
     prepared = sess.prepared
-    if len(published_steps(sess)) < cfg.train.updates:
+    published = published_steps(sess)
+    if len(published) < cfg.train.updates:
         # steps to compute, so both models will load: hash their dirs now, beside the student's load
         # and its first rollout, not in line before each load (~1 s for the seed workload's 4.1 GB)
         for role in ("student", "teacher"):
@@ -128,7 +128,7 @@ def run(sess: Session) -> dict:
     write_json(sess.run_dir / "config.json", dataclasses.asdict(cfg))
     sess.link_step(0)
     runview.add_step(sess, 0)
-    print(plan_line(sess), flush=True)
+    print(plan_line(sess, published), flush=True)
     rows, reused = [], set()
     quiet = not sys.stderr.isatty()
     with Progress(TextColumn("[bold]train[/] {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

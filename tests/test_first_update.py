@@ -38,3 +38,7 @@ def test_summary_charges_each_function_once_per_stack_and_merges_lines(tmp_path)
     gz = tmp_path / "first.pyspy.gz"  # as the driver keeps it
     gz.write_bytes(gzip.compress(RAW.encode()))
     assert first_update.summarise(gz) == s
+    # inside load: its callees, each sample once (the outermost load frame), main thread only
+    assert first_update.under(gz, "load (stages/") == [["<module> (sklearn/__init__.py)", 1.5],
+                                                      ["from_pretrained (transformers/modeling_utils.py)", 0.5]]
+    assert first_update.under(gz, "main (stages/cli.py)") == [["load (stages/blocks/models.py)", 2.0]]

@@ -18,8 +18,6 @@ def bitsandbytes() -> None:
     or not, though nothing in it compiles on the default path. Each wrapper now makes its compiled
     function at its first call instead, which is when torch.compile compiles anyway. Call it before
     the process's first import of peft or bitsandbytes."""
-    import sys
-
     if "bitsandbytes" in sys.modules or importlib.util.find_spec("bitsandbytes") is None:
         return
     import functools

@@ -4,12 +4,16 @@ py-spy (a sampling profiler: unlike cProfile it does not slow each Python call, 
 calls through torch's dispatcher keep their real proportions).
 
     python benchmarks/first_update.py --tokenizer DIR --out DIR [--runs 2] [--sampler py-spy] [--smoke]
+        [--against runtime.warmup=false]
     python benchmarks/first_update.py --explain FILE.pyspy.gz --under 'make_graphed_callables' [--under ...]
 
 Writes <out>/first-update.json and .md: per process its wall time, `first_update_s` and
 `timings.startup_s` (train.json), and for the sampled one the main thread's inclusive and own
 seconds per function (samples / rate), every thread's total, and the raw stacks (first-update.pyspy.gz).
 The first process runs on whatever compile caches the machine has; the later ones find them warm.
+--against KEY=VALUE (repeatable) runs as many processes more with those overrides, interleaved with
+the others (against, ours, against, ours: the same machine and caches), and the summary compares the
+two sets' first updates without the first process of all (cold caches).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import gzip
 import json
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -119,6 +124,14 @@ def one_process(w: dict, work: Path, tok: str, tag: str, sampler: str | None, ex
     return out
 
 
+def compare(processes: list[dict]) -> dict[str, list[float]]:
+    """First updates per set (ours: first-N, the comparison: against-N), the first process of all left out."""
+    out: dict[str, list[float]] = {"ours": [], "against": []}
+    for p in processes[1:]:
+        out["against" if p["name"].startswith("against-") else "ours"].append(p["first_update_s"])
+    return out
+
+
 def markdown(res: dict) -> str:
     lines = [f"# First update, piece by piece ({res['device']}, torch {res['torch']})", "",
              f"Command: `{res['command']}`", "",
@@ -126,6 +139,12 @@ def markdown(res: dict) -> str:
     for p in res["processes"]:
         lines.append(f"| {p['name']} ({p.get('sampler', 'unsampled')}) | {p['process_wall_s']} | {p['first_update_s']} | "
                      f"{systems.pieces(p.get('startup_s') or {})} |")
+    if res.get("against"):
+        lines += ["", f"Against `{' '.join(res['against'])}` (the `against-N` processes), first update without the "
+                  "first process of all (cold caches), median over the rest:", ""]
+        for name, vals in compare(res["processes"]).items():
+            lines.append(f"- {name}: {statistics.median(vals):.3f} s over {len(vals)} ({', '.join(f'{v:.3f}' for v in vals)})"
+                         if vals else f"- {name}: no warm process")
     for p in res["processes"]:
         if "profile" not in p:
             continue
@@ -151,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sampler", choices=["py-spy", "none"], default="py-spy", help="for the last process")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random models (the driver end to end)")
     ap.add_argument("--set", action="append", default=[], help="more overrides for our runs (key=value)")
+    ap.add_argument("--against", action="append", default=[],
+                    help="overrides (key=value) of a comparison set of processes, interleaved with ours")
     args = ap.parse_args(argv)
     if args.explain:
         for name in args.under:
@@ -168,10 +189,12 @@ def main(argv: list[str] | None = None) -> int:
 
     res = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
            "device": torch.cuda.get_device_name(0) if systems.DEVICE == "cuda" else "cpu",
-           "shape": w, "seed": systems.seed_store(w, work, tok), "processes": []}
+           "shape": w, "seed": systems.seed_store(w, work, tok), "processes": [], "against": args.against}
     args.out.mkdir(parents=True, exist_ok=True)
     for i in range(args.runs):
         last = i == args.runs - 1
+        if args.against:
+            res["processes"].append(one_process(w, work, tok, f"against-{i + 1}", None, (*args.set, *args.against)))
         res["processes"].append(one_process(w, work, tok, f"first-{i + 1}", args.sampler if last else None,
                                             tuple(args.set)))
         (args.out / "first-update.json").write_text(json.dumps(res, indent=1) + "\n")

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .blocks import (adapters, decoder, graphs, hostmem, identity, memory, models, phases, plan, reproducible,
-                     sampler, tables)
+                     sampler, tables, warmup)
 from .blocks.config import Config, logit_temperature
 from .blocks.errors import UserError
 from .blocks.store import Store, link, seed_of, write_json
@@ -25,17 +25,14 @@ class Session:
 
     def __init__(self, cfg: Config, placement: str | None = None, origin: str = "overrides"):
         self.t0 = time.perf_counter()
-        # how the config was given: "params" (a params file, what `dvc repro` runs) or "overrides"
-        # (conf/ + overrides): a run view made one way is not silently replaced the other (runview)
-        self.origin = origin
+        self.origin = origin  # "params" (a params file: `dvc repro`) or "overrides": see runview
         self.timings: dict[str, float] = {}
         self.cfg = cfg
         self.store = Store(cfg.artifacts)
         self.run_dir = Path(cfg.artifacts) / "runs" / cfg.run
         self.device = models.resolve_device(cfg.runtime.device)
         self.dtype = models.resolve_dtype(cfg.runtime.dtype, self.device)
-        # Always an explicit count (the default: torch's own): it also turns MKL's dynamic threading
-        # off, one of MKL's conditions for reproducible results (stages/blocks/reproducible.py).
+        # always an explicit count: it also turns MKL's dynamic threading off (stages/blocks/reproducible.py)
         torch.set_num_threads(cfg.runtime.threads or torch.get_num_threads())
         self._prepared: dict | None = None
         self._chain: identity.Chain | None = None
@@ -105,7 +102,12 @@ class Session:
         base = models.base_of(model)
         base.__dict__["_opd_use_graphs"] = role in phases.graphed_roles(self.cfg, self.device.type)
         base.__dict__["_opd_forward_length"] = self.forward_length()
-        base.__dict__["_opd_before_capture"] = self.store.flush  # (graphs.hidden: as the engine's)
+        base.__dict__["_opd_before_capture"] = self.before_capture  # (graphs.hidden: as the engine's)
+
+    def before_capture(self) -> None:
+        """Before a CUDA graph capture: no other thread's device work (warm-up, a publish's sync) meanwhile."""
+        warmup.wait()
+        self.store.flush()
 
     def tokenizer(self):
         """The student's tokenizer (model_dir content-checks its files before anything is read)."""
@@ -224,7 +226,7 @@ class Session:
         """The rollout engine for the student's current policy (None: transformers fallback)."""
         if self._engine is None:
             self._engine = sampler.make(self.student(), self.cfg.rollout.cuda_graphs, self.compiled_decode,
-                                        self.store.flush) or False
+                                        self.before_capture) or False
             if self._engine:
                 self.mark("engine_built")
         return self._engine or None
@@ -351,6 +353,7 @@ def phase(device: torch.device, record: dict, tokens: int = 0):
     # the current stream only: a side stream's copy (memory.merge_in_place's copy back of the student's
     # weights after a rollout, an update's snapshot) overlaps the next phase instead of ending this one
     if device.type == "cuda":
+        warmup.wait()  # (its memory is not this phase's)
         torch.cuda.current_stream().synchronize()
         torch.cuda.reset_peak_memory_stats()
     else:

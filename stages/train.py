@@ -17,8 +17,8 @@ import time
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import prepare, rollout, score, sft, update
-from .blocks import kernels, runview
-from .blocks.config import Config
+from .blocks import kernels, runview, warmup
+from .blocks.config import Config, logit_temperature
 from .blocks.store import fault, read_state, write_json
 from .session import Session
 
@@ -109,6 +109,17 @@ def history_row(sess: Session, k: int) -> dict:
     return row
 
 
+def warm_up(sess: Session) -> None:
+    """Start the first calls of the loop's GPU work on a thread (stages/blocks/warmup.py), at its shapes."""
+    cfg, r = sess.cfg, sess.cfg.rollout
+    dims = {role: warmup.dims(sess.store.path("model", sess.prepared[role]) / "config.json")
+            for role in ("student", "teacher")}
+    warmup.start(dims["student"], dims["teacher"], rows=r.batch_size * r.n, prompt=-(-cfg.data.max_prompt_tokens // 16) * 16,
+                 new=r.max_new_tokens, length=sess.forward_length(), rank=cfg.lora.r,
+                 sampling=(logit_temperature(r), r.top_p, r.temperature == 0), dtype=sess.dtype, device=sess.device,
+                 compiled=sess.compiled_decode)
+
+
 def run(sess: Session) -> dict:
     cfg = sess.cfg
     # validate early and set up in dependency order: prepared inputs -> policy 0 -> loop
@@ -121,6 +132,8 @@ def run(sess: Session) -> dict:
             sess.store.verify_soon(sess.store.path("model", prepared[role]))
         if sess.device.type == "cuda":  # and Triton's cache key, which the first rollout's kernels need
             kernels.cache_key_soon()
+            if cfg.runtime.warmup:
+                warm_up(sess)
     sess.mark("prepared")
     policy0(sess)
     sess.mark("policy0_published")
@@ -161,6 +174,7 @@ def run(sess: Session) -> dict:
                 sess.mark("update_done")
                 if k == 1:  # construction (model loads, graph capture) + the first update
                     sess.timings["first_update_s"] = round(time.perf_counter() - sess.t0, 4)
+                    sess.timings.update(warmup.report())
                 # the whole step as a user waits for it: phases + Parquet/adapter IO + publishing
                 sess.timings.setdefault("step_wall_s", []).append(round(time.perf_counter() - t_step, 4))
             else:  # a reused step's rollout and scores are content-checked too before they are linked

@@ -155,6 +155,10 @@ class RuntimeCfg:
     # host no longer launches each kernel. The update's graph keeps its activations allocated
     # between updates (`opd plan` counts them; false: eager, that memory freed after each update)
     cuda_graphs: bool = True
+    # CUDA: the first calls of each kind of GPU work (kernel loads, cuDNN's attention plans, autograd's
+    # thread) run once on throwaway tensors on a thread beside the models' loads (stages/blocks/warmup.py);
+    # nothing computed changes, so it is in no digest. false: each is paid where the run first needs it
+    warmup: bool = True
 
 
 @dataclass

@@ -145,7 +145,7 @@ def hidden(model, inner, ids: torch.Tensor, attn: torch.Tensor, use_graphs: bool
         if len(shapes) >= KEEP:
             _release({shapes[0]: graphs.pop(shapes[0])})  # least recently used (dict order: re-inserted on use)
         before = getattr(model, "_opd_before_capture", None)
-        if before:  # a background publish's device sync in another thread would invalidate the capture
+        if before:  # another thread's device work (a publish's sync, the warm-up) would invalidate the capture
             before()
         g = (_capture_training if training else _capture_inference)(inner, ids, mask)
     graphs[key] = g

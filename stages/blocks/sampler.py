@@ -56,8 +56,8 @@ class Engine:
 
     def __init__(self, model, use_graphs: bool = True, compile: bool = False, before_capture=None):
         self.model = model
-        # called before each capture: a background publish's device sync in another thread would
-        # invalidate it (Session passes the store's flush)
+        # called before each capture: another thread's device work (a background publish's sync, the
+        # warm-up's kernels) would invalidate it (Session.before_capture joins both)
         self.before_capture = before_capture or (lambda: None)
         # the student's own weights (memory.merge_in_place: fused at load), merged for each generate
         self.in_place = decoder.is_fused(model)
@@ -183,52 +183,10 @@ class Engine:
         return Rollout(*_to_host(out, lps.float(), lengths, done))  # one sync for all four
 
     def _prefill(self, inp: dict, how: tuple) -> dict:
-        """The prompts' forward into a fresh static KV cache and the first draw: the state the
-        decode step reads and updates in place. inp: ids [B, P] (left-padded), pad_len [B], u [N, B]."""
-        W, dev = self.W, self.device
-        max_new, temperature, top_p, greedy, min_new, eos, pad = how
-        ids, pad_len, u = inp["ids"], inp["pad_len"], inp["u"]
-        B, P = ids.shape
-        L = P + max_new
-        kv = decoder.new_cache(W, B, L, dev)
-        keys = torch.arange(L, device=dev)
-        # causal over the padded block, pads never attended
-        qpos = torch.arange(P, device=dev)
-        valid = (keys[None, None, :] <= qpos[None, :, None]) & (keys[None, None, :] >= pad_len[:, None, None])
-        valid |= (qpos[None, :, None] < pad_len[:, None, None]) & (keys[None, None, :] == qpos[None, :, None])
-        pos = (qpos[None, :] - pad_len[:, None]).clamp_min(0)
-        h = decoder.forward(W, ids, pos, kv, qpos, valid)[:, -1]  # [B, H]
-        logits = F.linear(h, W["head"])
-        block = torch.full((B,), min_new > 0, device=dev) if min_new > 0 else None
-        tok, lp = decoder.pick(logits, u[0], temperature, top_p, greedy, block, eos)
-        out = torch.full((B, max_new), pad, dtype=torch.long, device=dev)
-        lps = torch.zeros(B, max_new, device=dev)
-        out[:, 0], lps[:, 0] = tok, lp
-        return {"tok": tok.clone(), "slot": torch.full((1,), P, device=dev), "step": torch.full((1,), 1, device=dev),
-                "done": tok == eos, "out": out, "lp": lps, "u": u, "kv": kv, "pad_len": pad_len,
-                "keys": keys}
+        return prefill(self.W, inp, how)
 
     def _step(self, st: dict, how: tuple) -> None:
-        """One decode step: the next token of every sequence, written into the state in place."""
-        W = self.W
-        max_new, temperature, top_p, greedy, min_new, eos, pad = how
-        B = st["tok"].shape[0]
-        slot, k = st["slot"], st["step"]
-        valid = ((st["keys"][None, :] >= st["pad_len"][:, None]) & (st["keys"][None, :] <= slot))[:, None]
-        h = decoder.forward(W, st["tok"][:, None], (slot - st["pad_len"])[:, None], st["kv"], slot, valid,
-                            self._decode_layer(B))
-        logits = F.linear(h[:, 0], W["head"])
-        blk = (k < min_new).expand(B) if min_new > 0 else None
-        t, l = decoder.pick(logits, st["u"].index_select(0, k)[0], temperature, top_p,
-                            greedy, blk, eos)
-        t = torch.where(st["done"], torch.full_like(t, pad), t)
-        l = torch.where(st["done"], torch.zeros_like(l), l)
-        st["out"].index_copy_(1, k, t[:, None])
-        st["lp"].index_copy_(1, k, l[:, None])
-        st["done"] |= t == eos
-        st["tok"].copy_(t)
-        slot.add_(1)
-        k.add_(1)
+        step(self.W, st, how, self._decode_layer(st["tok"].shape[0]))
 
     def _decode_layer(self, rows: int):
         """The decode step's layer: with runtime.compile, the Triton kernels alone where they serve
@@ -284,6 +242,55 @@ class Engine:
         with torch.cuda.graph(step, pool=prefill.pool()):  # replayed after the prefill, never alongside
             self._step(st, how)
         return {"inp": static, "st": st, "prefill": prefill, "step": step}
+
+
+def prefill(W: dict, inp: dict, how: tuple) -> dict:
+    """The prompts' forward into a fresh static KV cache and the first draw: the state the
+    decode step reads and updates in place. inp: ids [B, P] (left-padded), pad_len [B], u [N, B]."""
+    dev = W["embed"].device
+    max_new, temperature, top_p, greedy, min_new, eos, pad = how
+    ids, pad_len, u = inp["ids"], inp["pad_len"], inp["u"]
+    B, P = ids.shape
+    L = P + max_new
+    kv = decoder.new_cache(W, B, L, dev)
+    keys = torch.arange(L, device=dev)
+    # causal over the padded block, pads never attended
+    qpos = torch.arange(P, device=dev)
+    valid = (keys[None, None, :] <= qpos[None, :, None]) & (keys[None, None, :] >= pad_len[:, None, None])
+    valid |= (qpos[None, :, None] < pad_len[:, None, None]) & (keys[None, None, :] == qpos[None, :, None])
+    pos = (qpos[None, :] - pad_len[:, None]).clamp_min(0)
+    h = decoder.forward(W, ids, pos, kv, qpos, valid)[:, -1]  # [B, H]
+    logits = F.linear(h, W["head"])
+    block = torch.full((B,), min_new > 0, device=dev) if min_new > 0 else None
+    tok, lp = decoder.pick(logits, u[0], temperature, top_p, greedy, block, eos)
+    out = torch.full((B, max_new), pad, dtype=torch.long, device=dev)
+    lps = torch.zeros(B, max_new, device=dev)
+    out[:, 0], lps[:, 0] = tok, lp
+    return {"tok": tok.clone(), "slot": torch.full((1,), P, device=dev), "step": torch.full((1,), 1, device=dev),
+            "done": tok == eos, "out": out, "lp": lps, "u": u, "kv": kv, "pad_len": pad_len,
+            "keys": keys}
+
+
+def step(W: dict, st: dict, how: tuple, layer) -> None:
+    """One decode step: the next token of every sequence, written into the state in place.
+    layer: the decoder layer to run (Engine._decode_layer's choice)."""
+    max_new, temperature, top_p, greedy, min_new, eos, pad = how
+    B = st["tok"].shape[0]
+    slot, k = st["slot"], st["step"]
+    valid = ((st["keys"][None, :] >= st["pad_len"][:, None]) & (st["keys"][None, :] <= slot))[:, None]
+    h = decoder.forward(W, st["tok"][:, None], (slot - st["pad_len"])[:, None], st["kv"], slot, valid, layer)
+    logits = F.linear(h[:, 0], W["head"])
+    blk = (k < min_new).expand(B) if min_new > 0 else None
+    t, l = decoder.pick(logits, st["u"].index_select(0, k)[0], temperature, top_p,
+                        greedy, blk, eos)
+    t = torch.where(st["done"], torch.full_like(t, pad), t)
+    l = torch.where(st["done"], torch.zeros_like(l), l)
+    st["out"].index_copy_(1, k, t[:, None])
+    st["lp"].index_copy_(1, k, l[:, None])
+    st["done"] |= t == eos
+    st["tok"].copy_(t)
+    slot.add_(1)
+    k.add_(1)
 
 
 def _adapted(base):

@@ -1,0 +1,167 @@
+"""CUDA's first calls, paid on a thread beside the models' loads (docs/architecture.md, "Startup").
+
+A fresh process pays for the first call of each kind of GPU work far more than for later ones:
+CUDA loads kernel modules on their first launch, cuBLAS and cuDNN pick kernels per shape (cuDNN's
+attention builds a plan), Triton loads its compiled kernels, autograd starts its device thread.
+On the H200 ~2.7 s of the first update's main thread sat inside such first calls: the first SDPA
+calls, autograd's first backward, the draw's first launch
+(benchmarks/results/2026-12-02-h200-4df9223-first-update.md). Meanwhile the GPU is idle for the
+seconds the main thread spends importing and reading the models. `start` runs that kind of work
+once, on a daemon thread of its own with a stream of its own, on throwaway tensors of the run's
+shapes: one decoder layer of each model with constant weights, through the rollout engine's
+prefill and decode step (stages/blocks/sampler.py's own functions), the teacher's scoring forward
+and the student's training forward and backward as transformers and peft compute them (the padded
+layout's boolean mask, fp32 LoRA matmuls), and an LM-head chunk's loss. Library loads, kernel modules and
+autograd's thread are the process's, so the main thread finds them ready; what stays per thread
+(cuDNN keeps its plans per thread) it still builds, which is cheap once the library is loaded.
+
+Nothing it computes is kept or changes what the run computes: no random generator is used (the
+main thread seeds and draws from the global ones meanwhile), every input is a constant, and
+`wait` (before any phase and any CUDA graph capture, Session.before_capture) joins it and gives its
+memory back, so no capture sees another thread's device work and no phase's peak memory counts
+it. A failure is reported as one warning and the run goes on without it (runtime.warmup=false:
+not started).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import decoder, graphs, sampler
+
+_RUNNING: list[threading.Thread] = []  # at most one: the process's warm-up, until `wait` joins it
+_RESULT: dict = {}  # what it recorded (`report`)
+
+
+def dims(config_json: Path) -> dict:
+    """A model dir's config.json -> the shapes the warm-up uses."""
+    c = json.loads(config_json.read_text())
+    H, E = c["num_attention_heads"], c["hidden_size"]
+    return {"E": E, "H": H, "KV": c.get("num_key_value_heads") or H, "D": c.get("head_dim") or E // H,
+            "I": c["intermediate_size"], "V": c["vocab_size"], "eps": c.get("rms_norm_eps", 1e-6),
+            "act": c.get("hidden_act", "silu"), "qk_norm": c.get("model_type") == "qwen3",
+            "bias": bool(c.get("attention_bias", False))}
+
+
+def start(student: dict, teacher: dict, *, rows: int, prompt: int, new: int, length: int, rank: int,
+          sampling: tuple, dtype: torch.dtype, device: torch.device, compiled: bool) -> None:
+    """Start the warm-up (CUDA only). student/teacher: `dims`; rows: the rollout's batch; prompt: its
+    padded prompt length; new: new tokens; length: the teacher-forced forwards' padded length;
+    rank: the LoRA's r; sampling: (temperature, top_p, greedy); compiled: the engine's decode kernels."""
+    if device.type != "cuda" or _RUNNING:
+        return
+
+    def run() -> None:
+        t = time.perf_counter()
+        try:
+            with torch.cuda.stream(torch.cuda.Stream(device)):
+                _sample(student, rows, prompt, new, sampling, dtype, device, compiled)
+                _teacher_forced(teacher, rows, length, 0, dtype, device, train=False)
+                _teacher_forced(student, rows, length, rank, dtype, device, train=True)
+                torch.cuda.current_stream().synchronize()
+            _RESULT["warmup_s"] = round(time.perf_counter() - t, 4)
+        except Exception as e:  # noqa: BLE001  only a head start: the run pays these first calls itself
+            _RESULT["warmup_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+    th = threading.Thread(target=run, name="opd-warmup", daemon=True)
+    _RUNNING.append(th)
+    th.start()
+
+
+def wait() -> None:
+    """Join the warm-up if one runs and give its cached blocks back (they belong to its stream: no
+    later allocation could reuse them). A failed one says so once."""
+    if not _RUNNING:
+        return
+    _RUNNING.pop().join()
+    torch.cuda.empty_cache()
+    if "warmup_error" in _RESULT:
+        print(f"warning: runtime.warmup failed ({_RESULT['warmup_error']}); the first calls are paid in line",
+              file=sys.stderr)
+
+
+def report() -> dict:
+    """What the process's warm-up recorded: {"warmup_s": seconds} or {"warmup_error": "..."} ({} if none ran)."""
+    return dict(_RESULT)
+
+
+def _full(shape, value, dtype, device, grad=False):
+    return torch.full(shape, value, dtype=dtype, device=device, requires_grad=grad)
+
+
+def _weights(d: dict, dtype, device) -> dict:
+    """One decoder layer's sampling weights as decoder.sampling_weights lays them out, constant."""
+    H, KV, D, E, I, V = d["H"], d["KV"], d["D"], d["E"], d["I"], d["V"]
+    w = lambda *s, v=0.02: _full(s, v, dtype, device)  # noqa: E731
+    layer = {"qkv": w((H + 2 * KV) * D, E), "qkv_bias": w((H + 2 * KV) * D) if d["bias"] else None,
+             "o_proj": w(E, H * D), "gate_up": w(2 * I, E), "down_proj": w(E, I), "ln1": w(E, v=1.0),
+             "ln2": w(E, v=1.0), "q_norm": w(D, v=1.0) if d["qk_norm"] else None,
+             "k_norm": w(D, v=1.0) if d["qk_norm"] else None}
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device=device).float() / D))
+    return {"layers": [layer], "embed": w(V, E), "norm": w(E, v=1.0), "head": w(V, E), "eps": d["eps"],
+            "dtype": dtype, "inv_freq": inv_freq, "rope_scale": 1.0, "n_heads": H, "n_kv": KV, "head_dim": D,
+            "n_layers": 1, "act": d["act"]}
+
+
+@torch.no_grad()
+def _sample(d, B, P, N, sampling, dtype, device, compiled) -> None:
+    """The engine's prefill and one decode step (sampler.prefill / sampler.step), eager."""
+    W = _weights(d, dtype, device)
+    temperature, top_p, greedy = sampling
+    inp = {"ids": torch.zeros(B, P, dtype=torch.long, device=device),
+           "pad_len": torch.arange(B, device=device) % P, "u": _full((max(N, 2), B), 0.5, torch.float32, device)}
+    how = (max(N, 2), temperature, top_p, greedy, 0, 0, 0)
+    st = sampler.prefill(W, inp, how)
+    sampler.step(W, st, how, decoder.fused_layer if compiled else decoder.layer)
+
+
+def _teacher_forced(d, B, T, r, dtype, device, train: bool) -> None:
+    """One layer as transformers' Llama computes it in the padded layout (graphs.padded's boolean mask,
+    kv heads repeated), LoRA as peft adds it (fp32 adapters), then an LM-head chunk's log-softmax and
+    top-k; with train, the backward too (autograd's device thread)."""
+    H, KV, D, E, I, V = d["H"], d["KV"], d["D"], d["E"], d["I"], d["V"]
+    w = lambda *s, v=0.02: _full(s, v, dtype, device)  # noqa: E731
+    real = (torch.arange(T, device=device)[None] < (T - 8 * torch.arange(B, device=device))[:, None]).long()
+    ids, mask = graphs.padded(torch.zeros(B, T, dtype=torch.long, device=device), real, T)  # mask [B, 1, Tb, Tb]
+    T = ids.shape[1]  # (a bucket multiple: the run's forward length already is one)
+    real = mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B, T] bool: the real positions
+
+    def rms(x, weight):  # LlamaRMSNorm
+        v = x.float().pow(2).mean(-1, keepdim=True)
+        return weight * (x.float() * torch.rsqrt(v + d["eps"])).to(dtype)
+
+    def proj(x, n_out, n_in):  # base matmul + peft's LoRA branch (adapters in fp32)
+        y = F.linear(x, w(n_out, n_in))
+        if not r:
+            return y
+        a, b = _full((r, n_in), 0.01, torch.float32, device, train), _full((n_out, r), 0.01, torch.float32, device, train)
+        return (y + F.linear(F.linear(x.float(), a), b) * 2.0).to(dtype)
+
+    with torch.set_grad_enabled(train):
+        x = F.embedding(ids, w(V, E))  # [B, T, E]
+        if train:
+            x = x.detach().requires_grad_()
+        h = rms(x, w(E, v=1.0))
+        q = proj(h, H * D, E).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
+        k = proj(h, KV * D, E).view(B, T, KV, D).transpose(1, 2)
+        v = proj(h, KV * D, E).view(B, T, KV, D).transpose(1, 2)
+        cos = sin = w(B, 1, T, D, v=0.5)
+        q = q * cos + torch.cat((-q[..., D // 2:], q[..., :D // 2]), dim=-1) * sin
+        k = k * cos + torch.cat((-k[..., D // 2:], k[..., :D // 2]), dim=-1) * sin
+        k = k[:, :, None].expand(B, KV, H // KV, T, D).reshape(B, H, T, D)
+        v = v[:, :, None].expand(B, KV, H // KV, T, D).reshape(B, H, T, D)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D ** -0.5)
+        x = x + proj(o.transpose(1, 2).reshape(B, T, H * D), E, H * D)
+        h = rms(x, w(E, v=1.0))
+        x = x + proj(F.silu(proj(h, I, E)) * proj(h, I, E), E, I)
+        hid = rms(x, w(E, v=1.0))[real][: 256]  # [n, E]: a chunk of response positions
+        logp = F.linear(hid, w(V, E)).float().log_softmax(-1)  # [n, V]
+        top = logp.topk(32, dim=-1)
+        if train:
+            (-(top.values.exp() * top.values).sum()).backward()

@@ -1,0 +1,46 @@
+"""stages/blocks/warmup.py: the first calls it makes run at a model's shapes, draw no random numbers
+(the main thread seeds and draws from the global generators while it runs) and leave nothing behind;
+off CUDA nothing starts. Its GPU effect (the same bytes with it on or off) is tests/gpu/test_gpu_warmup.py."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from stages.blocks import warmup
+
+CPU = torch.device("cpu")
+LLAMA = {"E": 64, "H": 4, "KV": 2, "D": 16, "I": 96, "V": 500, "eps": 1e-5, "act": "silu", "qk_norm": False,
+         "bias": False}
+
+
+def test_dims_read_a_config_json(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"model_type": "qwen3", "num_attention_heads": 16, "num_key_value_heads": 8,
+                             "hidden_size": 1024, "head_dim": 128, "intermediate_size": 3072,
+                             "vocab_size": 151936, "rms_norm_eps": 1e-6, "hidden_act": "silu"}))
+    assert warmup.dims(p) == {"E": 1024, "H": 16, "KV": 8, "D": 128, "I": 3072, "V": 151936, "eps": 1e-6,
+                              "act": "silu", "qk_norm": True, "bias": False}
+    p.write_text(json.dumps({"model_type": "llama", "num_attention_heads": 15, "hidden_size": 960,
+                             "intermediate_size": 2560, "vocab_size": 49152}))
+    d = warmup.dims(p)
+    assert (d["KV"], d["D"], d["qk_norm"], d["bias"]) == (15, 64, False, False)  # defaults as transformers'
+
+
+def test_its_work_draws_no_random_numbers_at_any_architecture_it_meets():
+    before = torch.random.get_rng_state()
+    for d in (LLAMA, {**LLAMA, "qk_norm": True}, {**LLAMA, "bias": True}):
+        for compiled in (False, True):  # (fused_layer falls back to the eager layer off CUDA)
+            warmup._sample(d, 3, 16, 4, (1.0, 1.0, False), torch.float32, CPU, compiled)
+        warmup._sample(d, 3, 16, 4, (0.7, 0.9, False), torch.float32, CPU, False)  # top-p's passes
+        warmup._sample(d, 3, 16, 4, (1.0, 1.0, True), torch.float32, CPU, False)  # greedy
+        warmup._teacher_forced(d, 3, 32, 0, torch.float32, CPU, train=False)
+        warmup._teacher_forced(d, 3, 32, 4, torch.float32, CPU, train=True)
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_nothing_starts_off_cuda():
+    warmup.start(LLAMA, LLAMA, rows=2, prompt=16, new=4, length=32, rank=4, sampling=(1.0, 1.0, False),
+                 dtype=torch.float32, device=CPU, compiled=False)
+    assert warmup._RUNNING == [] and warmup.report() == {}
+    warmup.wait()  # nothing to join

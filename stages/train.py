@@ -132,7 +132,7 @@ def run(sess: Session) -> dict:
             sess.store.verify_soon(sess.store.path("model", prepared[role]))
         if sess.device.type == "cuda":  # and Triton's cache key, which the first rollout's kernels need
             kernels.cache_key_soon()
-            if cfg.runtime.warmup:
+            if cfg.runtime.warmup and cfg.memory.vram_gib is None:  # (a set budget does not plan its bytes)
                 warm_up(sess)
     sess.mark("prepared")
     policy0(sess)

@@ -20,7 +20,7 @@ main thread seeds and draws from the global ones meanwhile), every input is a co
 `wait` (before any phase and any CUDA graph capture, Session.before_capture) joins it and gives its
 memory back, so no capture sees another thread's device work and no phase's peak memory counts
 it. A failure is reported as one warning and the run goes on without it (runtime.warmup=false:
-not started).
+not started; nor with memory.vram_gib set, whose budget its transient ~0.5 GiB is not planned in).
 """
 from __future__ import annotations
 
@@ -75,11 +75,17 @@ def start(student: dict, teacher: dict, *, rows: int, prompt: int, new: int, len
 
 
 def wait() -> None:
-    """Join the warm-up if one runs and give its cached blocks back (they belong to its stream: no
-    later allocation could reuse them). A failed one says so once."""
+    """Join the warm-up if one runs and give its memory back: its cached blocks belong to its stream,
+    so no later allocation could reuse them. A failed one says so once."""
     if not _RUNNING:
         return
     _RUNNING.pop().join()
+    # its cuBLAS workspace (per handle and stream) would stay allocated for the process: cleared, as
+    # Inductor's CUDA-graph trees clear them around captures (no graph exists yet: this is the first
+    # join, before the run's first capture); the main thread's is made again at its next matmul
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear:
+        clear()
     torch.cuda.empty_cache()
     if "warmup_error" in _RESULT:
         print(f"warning: runtime.warmup failed ({_RESULT['warmup_error']}); the first calls are paid in line",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .blocks import (adapters, decoder, graphs, hostmem, identity, memory, models, phases, plan, reproducible,
+from .blocks import (adapters, ahead, decoder, graphs, hostmem, identity, memory, models, phases, plan, reproducible,
                      sampler, tables, warmup)
 from .blocks.config import Config, logit_temperature
 from .blocks.errors import UserError
@@ -45,6 +45,7 @@ class Session:
         self.optimizer: tuple | None = None
         self.chunk_sizes: dict[str, int] = {}  # the position chunk that fit after a CUDA OOM, per stage
         self._tables: dict[str, tuple[str, str, object]] = {}  # stage -> (digest, file, its pa.Table): see table()
+        self._ahead = ahead.Ahead()  # reads started early (load_ahead), taken by name
         memory.limit_process(cfg.memory.vram_gib, self.device)
 
     # ---- resident models (loaded on first use, kept for the whole loop) ----
@@ -52,6 +53,10 @@ class Session:
         if self._student is None:
             _ = self.placement  # decided (or refused) before any weights load
             base = models.load(self.model_dir("student"), self.cfg.student, self.device, self.dtype)
+            c = self.cfg  # the teacher's weights after ours, where the plan holds both (load_ahead)
+            if self._ahead and self.placement == "resident" and c.teacher.quant == "none" and c.memory.vram_gib is None:
+                self._ahead.submit("teacher", ahead.verified, self.store, self.store.path("model", self.prepared["teacher"]),
+                                   models.load, c.teacher, self.device, self.dtype)
             if self.cfg.memory.merge_in_place:
                 why = sampler.supported(base)
                 if why:
@@ -76,7 +81,9 @@ class Session:
             self._teacher = memory.shared_teacher(self)  # the student's base, its LoRA disabled: one copy
             self._graph_forwards(self._teacher, "teacher")  # (on its view: not the student's setting)
         if self._teacher is None:
-            teacher = models.load(self.model_dir("teacher"), self.cfg.teacher, self.device, self.dtype)
+            teacher = self._ahead.take("teacher")
+            if teacher is None:
+                teacher = models.load(self.model_dir("teacher"), self.cfg.teacher, self.device, self.dtype)
             if self.cfg.teacher_mode == "protocol_sft":  # base + the SFT teacher adapter, merged
                 dig = self.chain.teacher_adapter()
                 d = self.store.get("sft", dig)
@@ -105,17 +112,30 @@ class Session:
         base.__dict__["_opd_before_capture"] = self.before_capture  # (graphs.hidden: as the engine's)
 
     def before_capture(self) -> None:
-        """Before a CUDA graph capture: no other thread's device work (warm-up, a publish's sync) meanwhile."""
+        """Before a CUDA graph capture: no other thread's device work (warm-up, a publish's sync, the
+        teacher's load ahead) meanwhile."""
         warmup.wait()
         self.store.flush()
+        self._ahead.join("teacher")
 
     def tokenizer(self):
         """The student's tokenizer (model_dir content-checks its files before anything is read)."""
         if self._tok is None:
-            from transformers import AutoTokenizer
-
-            self._tok = AutoTokenizer.from_pretrained(self.model_dir("student"))
+            self._tok = self._ahead.take("tokenizer")
+        if self._tok is None:
+            self._tok = ahead.tokenizer(self.model_dir("student"))
         return self._tok
+
+    def loaded_ahead(self) -> list[str] | None:
+        return list(self._ahead.taken) if self._ahead else None  # (None: load_ahead never started)
+
+    def load_ahead(self) -> None:
+        """Start reading what the first step waits for on a worker thread, beside the student's
+        construction (stages/blocks/ahead.py): the tokenizer, pandas, then (in `student`) the teacher."""
+        if not self._ahead:
+            d = self.store.path("model", self.prepared["student"])
+            self._ahead.submit("tokenizer", ahead.verified, self.store, d, ahead.tokenizer)
+            self._ahead.submit("pandas", ahead.import_pandas)
 
     # ---- the tables the loop hands on (rollout -> score -> update) ----
     def table(self, stage: str, dig: str, name: str, required: dict | None = None):
@@ -357,7 +377,7 @@ def phase(device: torch.device, record: dict, tokens: int = 0):
         torch.cuda.current_stream().synchronize()
         torch.cuda.reset_peak_memory_stats()
     else:
-        _reset_rss_peak()
+        hostmem.reset_rss_peak()
     t0 = time.perf_counter()
     box = {"tokens": tokens}
     yield box
@@ -368,7 +388,7 @@ def phase(device: torch.device, record: dict, tokens: int = 0):
     else:
         # the resident set includes memory earlier phases freed and the process keeps for reuse
         # (stages/blocks/hostmem.py); how much of it is free heap now is recorded beside it
-        record["peak_rss_gib"] = round(_rss_peak() / 2**30, 4)
+        record["peak_rss_gib"] = round(hostmem.rss_peak() / 2**30, 4)
         if (free := hostmem.free_heap_bytes()) is not None:
             record["heap_free_gib"] = round(free / 2**30, 4)
     dt = time.perf_counter() - t0
@@ -377,24 +397,3 @@ def phase(device: torch.device, record: dict, tokens: int = 0):
         record["tokens"] = int(box["tokens"])
         record["tokens_per_s"] = round(box["tokens"] / max(dt, 1e-9), 1)
 
-
-def _reset_rss_peak() -> None:
-    """Linux: reset the process's peak RSS (VmHWM) so the next reading is this phase's own peak."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass  # elsewhere the reading stays the process-lifetime peak
-
-
-def _rss_peak() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -112,9 +112,8 @@ def history_row(sess: Session, k: int) -> dict:
 def warm_up(sess: Session) -> None:
     """Start the first calls of the loop's GPU work on a thread (stages/blocks/warmup.py), at its shapes."""
     cfg, r = sess.cfg, sess.cfg.rollout
-    dims = {role: warmup.dims(sess.store.path("model", sess.prepared[role]) / "config.json")
-            for role in ("student", "teacher")}
-    warmup.start(dims["student"], dims["teacher"], rows=r.batch_size * r.n, prompt=-(-cfg.data.max_prompt_tokens // 16) * 16,
+    configs = [sess.store.path("model", sess.prepared[role]) / "config.json" for role in ("student", "teacher")]
+    warmup.start(*configs, rows=r.batch_size * r.n, prompt=-(-cfg.data.max_prompt_tokens // 16) * 16,
                  new=r.max_new_tokens, length=sess.forward_length(), rank=cfg.lora.r,
                  sampling=(logit_temperature(r), r.top_p, r.temperature == 0), dtype=sess.dtype, device=sess.device,
                  compiled=sess.compiled_decode)
@@ -134,6 +133,8 @@ def run(sess: Session) -> dict:
             kernels.cache_key_soon()
             if cfg.runtime.warmup and cfg.memory.vram_gib is None:  # (a set budget does not plan its bytes)
                 warm_up(sess)
+            if cfg.runtime.warmup:  # the tokenizer, pandas and the teacher read beside the student's load
+                sess.load_ahead()
     sess.mark("prepared")
     policy0(sess)
     sess.mark("policy0_published")
@@ -175,6 +176,8 @@ def run(sess: Session) -> dict:
                 if k == 1:  # construction (model loads, graph capture) + the first update
                     sess.timings["first_update_s"] = round(time.perf_counter() - sess.t0, 4)
                     sess.timings.update(warmup.report())
+                    if (ahead := sess.loaded_ahead()) is not None:  # (stages/blocks/ahead.py)
+                        sess.timings["loaded_ahead"] = ahead
                 # the whole step as a user waits for it: phases + Parquet/adapter IO + publishing
                 sess.timings.setdefault("step_wall_s", []).append(round(time.perf_counter() - t_step, 4))
             else:  # a reused step's rollout and scores are content-checked too before they are linked

@@ -72,3 +72,38 @@ def test_checkpointing_stashes_rng_state_only_with_lora_dropout(work, dropout):
     layer = models.base_of(sess.student()).model.layers[0]
     assert layer.gradient_checkpointing
     assert layer._gradient_checkpointing_func.keywords == {"use_reentrant": False, "preserve_rng_state": dropout > 0}
+
+
+def test_reads_ahead_give_the_same_models_and_policy_0_and_a_damaged_dir_is_recomputed_in_line(work):
+    """Session.load_ahead (CUDA runs start it; here on the CPU): the tokenizer and the teacher come from
+    its thread, bit for bit what the in-line loads give, and the student's LoRA (drawn from the global
+    generator while the teacher loads) is the same; a teacher dir whose hash fails is not read ahead:
+    the in-line path recomputes it, warning once."""
+    import torch
+
+    from stages.blocks import models
+
+    plain = session(work, "runtime.threads=1")
+    lora = {n: p.detach().clone() for n, p in models.trainable(plain.student())}
+    teacher = plain.teacher().state_dict()
+    sess = session(work, "runtime.threads=1")
+    sess.load_ahead()
+    assert {n: p for n, p in models.trainable(sess.student())}.keys() == lora.keys()
+    assert all(torch.equal(p, lora[n]) for n, p in models.trainable(sess.student()))
+    assert sess.tokenizer().eos_token_id == plain.tokenizer().eos_token_id
+    got = sess.teacher().state_dict()
+    assert got.keys() == teacher.keys() and all(torch.equal(got[k], teacher[k]) for k in teacher)
+    assert sess.loaded_ahead() == ["tokenizer", "teacher"]
+
+    d = sess.store.path("model", sess.prepared["teacher"])
+    f = d / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-64:] = bytes(64)  # same size (prepare's shallow check passes), another hash (the deep one fails)
+    f.write_bytes(bytes(raw))
+    again = session(work, "runtime.threads=1")
+    again.store.verify_soon(d)
+    again.load_ahead()
+    again.student()
+    got = again.teacher().state_dict()
+    assert all(torch.equal(got[k], teacher[k]) for k in teacher)  # recomputed in line, the same weights
+    assert again.loaded_ahead() == [] and again.tokenizer() is not None and again.loaded_ahead() == ["tokenizer"]

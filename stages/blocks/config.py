@@ -157,8 +157,9 @@ class RuntimeCfg:
     cuda_graphs: bool = True
     # CUDA: the first calls of each kind of GPU work (kernel loads, cuDNN's attention plans, autograd's
     # thread) run once on throwaway tensors on a thread beside the models' loads (stages/blocks/warmup.py);
-    # nothing computed changes, so it is in no digest. false (or memory.vram_gib set): each is paid where
-    # the run first needs it
+    # and the tokenizer, pandas and the teacher are read ahead on another (stages/blocks/ahead.py);
+    # nothing computed changes, so it is in no digest. false: each is paid where the run first needs
+    # it (memory.vram_gib set: the warm-up and the teacher's read ahead are not started)
     warmup: bool = True
 
 

@@ -76,3 +76,25 @@ def free_heap_bytes() -> int | None:
     """Free bytes malloc holds in its heap for reuse, or None where it cannot say."""
     info = mallinfo()
     return None if info is None else info["fordblks"]
+
+
+def reset_rss_peak() -> None:
+    """Linux: reset the process's peak RSS (VmHWM) so the next reading is this phase's own peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # elsewhere the reading stays the process-lifetime peak
+
+
+def rss_peak() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -79,14 +79,6 @@ def seed_of(dig: str) -> int:
     return int(dig[:15], 16)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 _FSYNC_POOL = None
 
 
@@ -180,8 +172,19 @@ class Store:
 
         deep=False checks the manifest, the file list and sizes only: for multi-GB model dirs whose
         content is hashed when they are actually loaded (Session), not on every digest lookup."""
-        fut = self._ahead.pop(d, None) if deep else None
-        return fut.result() if fut is not None else self._check(d, deep)
+        fut = self._ahead.get(d) if deep else None  # (other threads may join it too: Session.load_ahead)
+        if fut is None:
+            return self._check(d, deep)
+        ok = fut.result()
+        self._ahead.pop(d, None)
+        return ok
+
+    def file_ok(self, d: Path, rel: str) -> bool:
+        """A published dir's small file matches its manifest's hash (a model's config.json, read before the deep check)."""
+        try:
+            return file_hash(d / rel) == json.loads((d / MANIFEST).read_text())["files"][rel]["xxh3_128"]
+        except (OSError, ValueError, KeyError):
+            return False
 
     def _check(self, d: Path, deep: bool) -> bool:
         if d in self._verified:
@@ -250,8 +253,7 @@ class Store:
             try:
                 fault(f"{stage}.before", tmp)
                 t0 = time.perf_counter()
-                rest = produce(tmp)
-                rest = rest if callable(rest) else None
+                rest = rest if callable(rest := produce(tmp)) else None
                 if rest is not None and not background:
                     rest(tmp)
                     rest = None
@@ -303,7 +305,7 @@ class Store:
                 os.replace(final, parent / f".corrupt-{dig}-{int(time.time())}")
             fault("publish.before_rename", tmp)
             os.replace(tmp, final)
-            _fsync_dir(parent)
+            _fsync_one(parent)
             fault("publish.after_rename", final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

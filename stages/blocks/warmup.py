@@ -49,21 +49,24 @@ def dims(config_json: Path) -> dict:
             "bias": bool(c.get("attention_bias", False))}
 
 
-def start(student: dict, teacher: dict, *, rows: int, prompt: int, new: int, length: int, rank: int,
+def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, length: int, rank: int,
           sampling: tuple, dtype: torch.dtype, device: torch.device, compiled: bool) -> None:
-    """Start the warm-up (CUDA only). student/teacher: `dims`; rows: the rollout's batch; prompt: its
-    padded prompt length; new: new tokens; length: the teacher-forced forwards' padded length;
-    rank: the LoRA's r; sampling: (temperature, top_p, greedy); compiled: the engine's decode kernels."""
+    """Start the warm-up (CUDA only). student/teacher: the models' config.json, read by `dims` on the
+    thread (a damaged one fails the warm-up, not the run, whose load recomputes the dir); rows: the
+    rollout's batch; prompt: its padded prompt length; new: new tokens; length: the teacher-forced
+    forwards' padded length; rank: the LoRA's r; sampling: (temperature, top_p, greedy); compiled:
+    the engine's decode kernels."""
     if device.type != "cuda" or _RUNNING:
         return
 
     def run() -> None:
         t = time.perf_counter()
         try:
+            ds, dt = dims(student), dims(teacher)
             with torch.cuda.stream(torch.cuda.Stream(device)):
-                _sample(student, rows, prompt, new, sampling, dtype, device, compiled)
-                _teacher_forced(teacher, rows, length, 0, dtype, device, train=False)
-                _teacher_forced(student, rows, length, rank, dtype, device, train=True)
+                _sample(ds, rows, prompt, new, sampling, dtype, device, compiled)
+                _teacher_forced(dt, rows, length, 0, dtype, device, train=False)
+                _teacher_forced(ds, rows, length, rank, dtype, device, train=True)
                 torch.cuda.current_stream().synchronize()
             _RESULT["warmup_s"] = round(time.perf_counter() - t, 4)
         except Exception as e:  # noqa: BLE001  only a head start: the run pays these first calls itself

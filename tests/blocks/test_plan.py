@@ -377,12 +377,12 @@ def test_cpu_phase_peak_counts_what_the_process_keeps():
     On CPU the process keeps freed memory for reuse (stages/blocks/hostmem.py): a later phase's peak
     RSS still holds what an earlier one freed, and the record says how much of it is free heap."""
     from stages.blocks import hostmem
-    from stages.session import _reset_rss_peak, _rss_peak, phase
+    from stages.session import phase
 
-    _reset_rss_peak()
+    hostmem.reset_rss_peak()
     # the resident set now, less the free heap it holds (an earlier test's freed memory, which the
     # phase's 256 MiB may reuse without growing the resident set)
-    before = (_rss_peak() - (hostmem.free_heap_bytes() or 0)) / 2**30
+    before = (hostmem.rss_peak() - (hostmem.free_heap_bytes() or 0)) / 2**30
     big, small = {}, {}
     with phase(torch.device("cpu"), big):
         x = torch.ones(64 * 2**20)  # 256 MiB

@@ -39,8 +39,8 @@ def test_its_work_draws_no_random_numbers_at_any_architecture_it_meets():
     assert torch.equal(torch.random.get_rng_state(), before)
 
 
-def test_nothing_starts_off_cuda():
-    warmup.start(LLAMA, LLAMA, rows=2, prompt=16, new=4, length=32, rank=4, sampling=(1.0, 1.0, False),
+def test_nothing_starts_off_cuda(tmp_path):
+    warmup.start(tmp_path / "config.json", tmp_path / "config.json", rows=2, prompt=16, new=4, length=32, rank=4, sampling=(1.0, 1.0, False),
                  dtype=torch.float32, device=CPU, compiled=False)
     assert warmup._RUNNING == [] and warmup.report() == {}
     warmup.wait()  # nothing to join

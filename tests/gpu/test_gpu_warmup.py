@@ -1,6 +1,7 @@
 """runtime.warmup on the GPU: the warm-up thread runs beside the models' loads, finishes without an
-error, and the run publishes the same digests and bytes as one without it (it computes nothing the
-run keeps, and the capture and phase boundaries join it first)."""
+error, the tokenizer and the teacher are read ahead (stages/blocks/ahead.py), and the run publishes
+the same digests and bytes as one without either (they compute nothing the run keeps, and the
+capture and phase boundaries join them first). A damaged config.json fails the warm-up, not the run."""
 from __future__ import annotations
 
 import json
@@ -24,7 +25,25 @@ def test_warmup_changes_no_byte_and_reports_its_time(tmp_path, seeded_store):
                for d in (on, off)}
     assert "warmup_error" not in timings[on] and timings[on]["warmup_s"] > 0
     assert "warmup_s" not in timings[off]
+    assert timings[on]["loaded_ahead"] == ["tokenizer", "teacher"] and "loaded_ahead" not in timings[off]
     entries = {e for e in published(on / "artifacts") if e.split("/")[0] in ("init", "rollout", "score", "update")}
     assert entries == {e for e in published(off / "artifacts") if e.split("/")[0] in ("init", "rollout", "score", "update")}
     assert len(entries) == 7, sorted(entries)  # init + 2 steps x rollout/score/update
     assert entry_differences(on / "artifacts", off / "artifacts", entries) == []
+
+
+def test_a_damaged_config_json_fails_the_warmup_not_the_run(tmp_path, seeded_store):
+    """The warm-up reads the models' config.json on its thread, before the load hashes the dir: a
+    damaged one (same size: prepare's shallow check passes) is one warning; the load recomputes the
+    dir and the run publishes what an undamaged one does."""
+    bad, good = fresh(tmp_path / "bad", seeded_store), fresh(tmp_path / "good", seeded_store)
+    configs = sorted((bad / "artifacts" / "store" / "model").glob("*/config.json"))
+    assert configs
+    for c in configs:
+        c.write_text("x" + c.read_text()[1:])
+    r = opd("stage", "train", *RUN, cwd=bad)
+    opd("stage", "train", *RUN, cwd=good)
+    timings = json.loads((bad / "artifacts" / "runs" / "default" / "train.json").read_text())["timings"]
+    assert timings["warmup_error"].startswith("JSONDecodeError") and "runtime.warmup failed" in r.stderr
+    entries = {e for e in published(good / "artifacts") if e.split("/")[0] in ("init", "rollout", "score", "update")}
+    assert entry_differences(bad / "artifacts", good / "artifacts", entries) == []

@@ -48,6 +48,8 @@ CASES = [
     ("manifest hash mismatch", "score", 1, "manifest.json", mismatch, None),
     ("manifest missing", "rollout", 3, "manifest.json", drop, None),
     ("flipped byte in the teacher weights", "model", "teacher", "model.safetensors", flip, "score:3"),
+    # read by prepare before any deep check (the positions check): its own hash is checked first
+    ("flipped byte in the student's config.json", "model", "student", "config.json", flip, None),
 ]
 
 

@@ -1,0 +1,73 @@
+"""Reads the first step waits for, started early on one worker thread (docs/architecture.md, "Startup").
+
+A fresh CUDA run's main thread used to read, one after the other: the student's weights and LoRA,
+the tokenizer (0.47 s on the H200's host), pandas (0.5 s: pyarrow imports it at the first array it
+builds from a Python list, to ask whether the list is a pandas object), and after the first rollout
+the teacher's weights (0.55 s, mostly waiting on transformers' loading threads). Much of the
+student's construction runs inside torch calls that release the interpreter (its LoRA's host to
+device copies, the loading threads' reads), so reads on a second thread proceed meanwhile.
+`Session.load_ahead` starts the tokenizer and the pandas import; `Session.student` adds the
+teacher's weights once its own are in (the order the memory plan assumes), where the plan keeps
+both models resident, the teacher is unquantized (bitsandbytes' import is not made thread-safe)
+and no memory.vram_gib budget is set.
+
+Nothing here computes anything a run publishes: each job only reads, loading a model draws no random
+numbers (tests/blocks/test_ahead.py checks both), and a model dir is read only after its hash
+checks out (`verified`); one that fails, or any failure at all, leaves that read to the in-line
+path (`take` returns None), which recomputes the dir or reports the error as it always did.
+`Session.before_capture` joins the teacher's load: no CUDA graph capture sees another thread's
+device work.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+
+class Ahead:
+    """Named jobs on one worker thread (first in, first run), their results taken later by name."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: dict[str, Future] = {}
+        self.taken: list[str] = []  # the jobs whose results were used (train.json: timings.loaded_ahead)
+
+    def __bool__(self) -> bool:  # started
+        return self._pool is not None
+
+    def submit(self, name: str, fn, *args) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="opd-ahead")
+        self._jobs[name] = self._pool.submit(fn, *args)
+
+    def take(self, name: str):
+        """The job's result, joined (once); None if no such job was started, or it failed."""
+        fut = self._jobs.pop(name, None)
+        if fut is None or fut.exception() is not None or fut.result() is None:
+            return None
+        self.taken.append(name)
+        return fut.result()
+
+    def join(self, name: str) -> None:
+        """Wait for the job to end, if one was started (its result stays for `take`)."""
+        if name in self._jobs:
+            self._jobs[name].exception()
+
+
+def verified(store, d: Path, read, *args):
+    """read(d, *args) once the store's hash of `d` checks out (joining the check started by
+    Store.verify_soon), else None: a damaged dir is the in-line path's to recompute."""
+    return read(d, *args) if store.verify(d) else None
+
+
+def tokenizer(d: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(d)
+
+
+def import_pandas() -> None:
+    """pyarrow's own first check for pandas (an array from a list), so its import happens here."""
+    import pyarrow as pa
+
+    pa.array([0])

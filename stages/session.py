@@ -53,10 +53,13 @@ class Session:
         if self._student is None:
             _ = self.placement  # decided (or refused) before any weights load
             base = models.load(self.model_dir("student"), self.cfg.student, self.device, self.dtype)
-            c = self.cfg  # the teacher's weights after ours, where the plan holds both (load_ahead)
-            if self._ahead and self.placement == "resident" and c.teacher.quant == "none" and c.memory.vram_gib is None:
-                self._ahead.submit("teacher", ahead.verified, self.store, self.store.path("model", self.prepared["teacher"]),
-                                   models.load, c.teacher, self.device, self.dtype)
+            if self._ahead:  # read beside the LoRA, policy 0 and the engine (stages/blocks/ahead.py)
+                c, path = self.cfg, lambda role: self.store.path("model", self.prepared[role])
+                if self.placement == "resident" and c.teacher.quant == "none" and c.memory.vram_gib is None:
+                    self._ahead.submit("teacher", ahead.verified, self.store, path("teacher"), models.load, c.teacher,
+                                       self.device, self.dtype)
+                self._ahead.submit("tokenizer", ahead.verified, self.store, path("student"), ahead.tokenizer)
+                self._ahead.submit("pandas", ahead.import_pandas)
             if self.cfg.memory.merge_in_place:
                 why = sampler.supported(base)
                 if why:
@@ -130,12 +133,9 @@ class Session:
         return list(self._ahead.taken) if self._ahead else None  # (None: load_ahead never started)
 
     def load_ahead(self) -> None:
-        """Start reading what the first step waits for on a worker thread, beside the student's
-        construction (stages/blocks/ahead.py): the tokenizer, pandas, then (in `student`) the teacher."""
-        if not self._ahead:
-            d = self.store.path("model", self.prepared["student"])
-            self._ahead.submit("tokenizer", ahead.verified, self.store, d, ahead.tokenizer)
-            self._ahead.submit("pandas", ahead.import_pandas)
+        """Read what the first step waits for on a worker thread once the student's weights are in
+        (stages/blocks/ahead.py): the teacher's weights, the tokenizer, pandas."""
+        self._ahead.start()
 
     # ---- the tables the loop hands on (rollout -> score -> update) ----
     def table(self, stage: str, dig: str, name: str, required: dict | None = None):

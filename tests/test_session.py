@@ -93,7 +93,7 @@ def test_reads_ahead_give_the_same_models_and_policy_0_and_a_damaged_dir_is_reco
     assert sess.tokenizer().eos_token_id == plain.tokenizer().eos_token_id
     got = sess.teacher().state_dict()
     assert got.keys() == teacher.keys() and all(torch.equal(got[k], teacher[k]) for k in teacher)
-    assert sess.loaded_ahead() == ["tokenizer", "teacher"]
+    assert sess.loaded_ahead() == ["tokenizer", "teacher"]  # (in the order taken)
 
     d = sess.store.path("model", sess.prepared["teacher"])
     f = d / "model.safetensors"

@@ -3,13 +3,17 @@
 A fresh CUDA run's main thread used to read, one after the other: the student's weights and LoRA,
 the tokenizer (0.47 s on the H200's host), pandas (0.5 s: pyarrow imports it at the first array it
 builds from a Python list, to ask whether the list is a pandas object), and after the first rollout
-the teacher's weights (0.55 s, mostly waiting on transformers' loading threads). Much of the
-student's construction runs inside torch calls that release the interpreter (its LoRA's host to
-device copies, the loading threads' reads), so reads on a second thread proceed meanwhile.
-`Session.load_ahead` starts the tokenizer and the pandas import; `Session.student` adds the
-teacher's weights once its own are in (the order the memory plan assumes), where the plan keeps
-both models resident, the teacher is unquantized (bitsandbytes' import is not made thread-safe)
-and no memory.vram_gib budget is set.
+the teacher's weights (0.55 s, mostly waiting on transformers' loading threads). `Session.load_ahead`
+starts the worker; once the student's weights are in (the order the memory plan assumes),
+`Session.student` gives it the teacher's weights (where the plan keeps both models resident, the
+teacher is unquantized, as bitsandbytes' import is not made thread-safe, and no memory.vram_gib
+budget is set), then the tokenizer, then pandas, while the main thread builds the LoRA, publishes
+policy 0 and captures the engine's graphs. Much of that runs inside torch calls that release the
+interpreter (the LoRA's host to device copies, the captures), and the teacher's load is mostly
+file reads and copies, so the reads proceed meanwhile. Python-bound work does not overlap, the
+interpreter runs one thread at a time: started as the session opened, the reads slowed the
+student's load (its imports, and module locks the worker held) by about what they saved later,
+first update 7.69 s against 7.58 without them (H200, benchmarks/results/2026-12-03-h200-fe676e2-first-update.md).
 
 Nothing here computes anything a run publishes: each job only reads, loading a model draws no random
 numbers (tests/blocks/test_ahead.py checks both), and a model dir is read only after its hash
@@ -32,12 +36,14 @@ class Ahead:
         self._jobs: dict[str, Future] = {}
         self.taken: list[str] = []  # the jobs whose results were used (train.json: timings.loaded_ahead)
 
-    def __bool__(self) -> bool:  # started
+    def __bool__(self) -> bool:  # started: jobs may be submitted
         return self._pool is not None
 
-    def submit(self, name: str, fn, *args) -> None:
+    def start(self) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="opd-ahead")
+
+    def submit(self, name: str, fn, *args) -> None:
         self._jobs[name] = self._pool.submit(fn, *args)
 
     def take(self, name: str):

@@ -10,6 +10,7 @@ from stages.blocks import ahead
 def test_jobs_run_in_order_on_one_thread_and_are_taken_once():
     a = ahead.Ahead()
     assert not a and a.take("x") is None  # nothing started
+    a.start()
     gate, seen = threading.Event(), []
     a.submit("first", lambda: gate.wait(5) and seen.append(threading.current_thread().name) or "one")
     a.submit("second", lambda: seen.append("second") or 2)
@@ -23,6 +24,7 @@ def test_jobs_run_in_order_on_one_thread_and_are_taken_once():
 
 def test_a_failed_or_empty_job_is_none_and_not_counted_as_taken():
     a = ahead.Ahead()
+    a.start()
     a.submit("boom", lambda: 1 / 0)
     a.submit("empty", lambda: None)
     a.join("boom")  # joined without raising

@@ -12,11 +12,13 @@ policy 0 and captures the engine's graphs. Much of that runs inside torch calls 
 interpreter (the LoRA's host to device copies, the captures), and the teacher's load is mostly
 file reads and copies, so the reads proceed meanwhile. Python-bound work does not overlap, the
 interpreter runs one thread at a time: started as the session opened, the reads slowed the
-student's load (its imports, and module locks the worker held) by about what they saved later,
-first update 7.69 s against 7.58 without them (H200, benchmarks/results/2026-12-03-h200-fe676e2-first-update.md).
+student's load (its imports, and module locks the worker held) by about what they saved later:
+first update 7.69 s, median of three, against 7.58 for the warm-up alone at 63cb842 (H200,
+benchmarks/results/2026-12-03-h200-fe676e2-first-update.md).
 
 Nothing here computes anything a run publishes: each job only reads, loading a model draws no random
-numbers (tests/blocks/test_ahead.py checks both), and a model dir is read only after its hash
+numbers (tests/test_session.py: the same teacher and policy 0 with the reads as without; on the GPU,
+tests/gpu/test_gpu_warmup.py: the same published bytes), and a model dir is read only after its hash
 checks out (`verified`); one that fails, or any failure at all, leaves that read to the in-line
 path (`take` returns None), which recomputes the dir or reports the error as it always did.
 `Session.before_capture` joins the teacher's load: no CUDA graph capture sees another thread's

@@ -14,6 +14,8 @@ from stages.tools import dvcyaml
 ALLOWED_LATE = {
     "stages.cli": "each command imports its module when it runs: `opd --help`, `opd params` and `opd doctor` "
                   "stay fast and work when torch or transformers is broken (doctor reports it)",
+    "stages.verl.cli": "the verl-facing commands, registered as `opd`'s parser is built: each imports what it "
+                       "runs when it runs, as stages.cli's do (`opd --help` imports no torch)",
     "stages.tools.doctor": "doctor checks that torch, transformers and hydra import before importing the "
                            "modules that need them (models, config), so a missing package is a finding, "
                            "not a traceback",

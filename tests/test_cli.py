@@ -51,3 +51,15 @@ def test_each_verb_once():
 def test_stage_arguments_are_checked_before_anything_runs(argv, needle, capsys):
     assert cli.main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """`opd` and `opd --help` build the whole parser (the verl commands' too) without importing what the
+    commands run: a fresh process, so this test process's own imports do not count."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom stages import cli\ncli.build_parser()\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'pyarrow') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

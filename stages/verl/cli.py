@@ -16,15 +16,18 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .. import train
-from ..blocks import config
-from ..blocks import plan as memory_planner
 from ..blocks.errors import UserError
-from ..tools import planview
-from . import compat, data, planfile
+
+# Each command imports what it runs when it runs (docs/architecture.md, "Dependency direction"):
+# building `opd`'s parser imports this module, and `opd --help` needs none of them (torch among them).
 
 
 def cmd_plan(args) -> None:
+    from ..blocks import config
+    from ..blocks import plan as memory_planner
+    from ..tools import planview
+    from . import planfile
+
     if args.profile is None:
         if args.config or args.set or args.accept:
             raise UserError("opd plan: --config, --set and --accept need --profile NAME")
@@ -48,11 +51,17 @@ def cmd_plan(args) -> None:
 
 def memory_plan_cli(args) -> None:
     """`opd plan [overrides] [--out plan.json]` is the memory planner's command."""
+    from ..tools import planview
+
     planview.main(args)
 
 
 def plan_session(args):
     """`opd run --plan`: the Session of a verified plan; None for --dry-run (after printing it)."""
+    from .. import train
+    from ..blocks import config
+    from . import planfile
+
     if args.plan is None:
         raise UserError("opd run --dry-run needs --plan plan.json")
     if args.overrides or args.params:
@@ -74,6 +83,8 @@ def plan_session(args):
 
 
 def cmd_profiles(args) -> None:
+    from . import compat
+
     if args.action == "list":
         print(compat.profiles_list())
     else:
@@ -83,6 +94,8 @@ def cmd_profiles(args) -> None:
 
 
 def cmd_compat(args) -> None:
+    from . import compat
+
     if args.action == "explain":
         if not args.field:
             raise UserError("opd compat explain FIELD: a field is required")
@@ -98,6 +111,9 @@ def cmd_compat(args) -> None:
 
 
 def cmd_data(args) -> None:
+    from ..blocks import config
+    from . import data
+
     if args.format != "verl-parquet":
         raise UserError(f"--format {args.format!r}: expected verl-parquet")
     out = data.sample(config.from_args(args.params, args.overrides), args.rows, Path(args.out))

@@ -337,8 +337,9 @@ def _quiet_libraries(verbose: bool = False) -> None:
         warnings.filterwarnings("ignore", message=re.escape(text), category=category)
     # tqdm reads TQDM_* at import: the GGUF conversion bar (tqdm.auto, not transformers' switch) stays off
     os.environ.setdefault("TQDM_DISABLE", "1")
-    # transformers' bars start off under it too, read at its import (not imported here: 0.8 s that
-    # `opd --help`, `opd params` and a refused config do not need); if something imported it already:
+    # the hub's bars, and transformers', which read it as transformers is imported; transformers is
+    # not imported for this (0.82 s of the H200 host's first update, -63cb842-first-update.md, that a
+    # command loading no model does not need), only switched off here if something imported it already
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if sys.modules.get("transformers") is not None:
         from transformers.utils import logging as hf_logging

@@ -100,10 +100,7 @@ def check_context(sess: Session, digests: dict[str, str]) -> None:
     key, new = max(("rollout.max_new_tokens", cfg.rollout.max_new_tokens), ("eval.max_new_tokens",
                                                                          cfg.eval.max_new_tokens), key=lambda x: x[1])
     for role, dig in digests.items():
-        d = sess.store.path("model", dig)
-        if not sess.store.file_ok(d, "config.json"):  # damaged since published (same size): recompute the dir
-            models.ensure(sess.store, getattr(cfg, role), role, deep=True)
-        ctx = json.loads((d / "config.json").read_text()).get("max_position_embeddings")
+        ctx = json.loads((sess.store.path("model", dig) / "config.json").read_text()).get("max_position_embeddings")
         if isinstance(ctx, int) and prompt + new > ctx:
             raise UserError(f"key '{key}' = {new}: data.max_prompt_tokens ({prompt}) + {new} = {prompt + new} "
                             f"positions exceed the {role}'s context ({getattr(cfg, role).name!r}: "

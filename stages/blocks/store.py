@@ -27,6 +27,7 @@ from .errors import UserError
 from .reproducible import stack
 
 MANIFEST = "manifest.json"
+WEIGHTS = {".safetensors", ".bin", ".gguf"}  # what a shallow check (verify deep=False) leaves unhashed
 
 
 def canonical(obj: Any) -> bytes:
@@ -170,21 +171,15 @@ class Store:
     def verify(self, d: Path, deep: bool = True) -> bool:
         """True iff `d` holds a manifest whose per-file hashes all match (checked once per process).
 
-        deep=False checks the manifest, the file list and sizes only: for multi-GB model dirs whose
-        content is hashed when they are actually loaded (Session), not on every digest lookup."""
+        deep=False hashes every file but the weights (WEIGHTS: sizes only): for multi-GB model dirs whose
+        weights are hashed when they are actually loaded (Session), not on every digest lookup, while
+        what is read before that (config.json, the tokenizer's files: prepare) is checked here."""
         fut = self._ahead.get(d) if deep else None  # (other threads may join it too: Session.load_ahead)
         if fut is None:
             return self._check(d, deep)
         ok = fut.result()
         self._ahead.pop(d, None)
         return ok
-
-    def file_ok(self, d: Path, rel: str) -> bool:
-        """A published dir's small file matches its manifest's hash (a model's config.json, read before the deep check)."""
-        try:
-            return file_hash(d / rel) == json.loads((d / MANIFEST).read_text())["files"][rel]["xxh3_128"]
-        except (OSError, ValueError, KeyError):
-            return False
 
     def _check(self, d: Path, deep: bool) -> bool:
         if d in self._verified:
@@ -205,7 +200,8 @@ class Store:
             return False
         for rel, meta in files.items():
             f = d / rel
-            if f.stat().st_size != meta["size"] or (deep and file_hash(f) != meta["xxh3_128"]):
+            hashed = deep or f.suffix not in WEIGHTS
+            if f.stat().st_size != meta["size"] or (hashed and file_hash(f) != meta["xxh3_128"]):
                 self._warn(f"{f}: content hash mismatch; recomputing")
                 return False
         if deep:

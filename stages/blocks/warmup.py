@@ -52,7 +52,7 @@ def dims(config_json: Path) -> dict:
 def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, length: int, rank: int,
           sampling: tuple, dtype: torch.dtype, device: torch.device, compiled: bool) -> None:
     """Start the warm-up (CUDA only). student/teacher: the models' config.json, read by `dims` on the
-    thread (a damaged one fails the warm-up, not the run, whose load recomputes the dir); rows: the
+    thread (prepare checked its hash; a read that fails anyway fails the warm-up, not the run); rows: the
     rollout's batch; prompt: its padded prompt length; new: new tokens; length: the teacher-forced
     forwards' padded length; rank: the LoRA's r; sampling: (temperature, top_p, greedy); compiled:
     the engine's decode kernels."""

@@ -206,3 +206,42 @@ def test_verify_soon_still_catches_a_flipped_byte(tmp_path, capsys, when):
     else:
         assert fresh.verify(p)  # checked once per process, as without verify_soon
         assert not Store(tmp_path).verify(p)
+
+
+def test_the_shallow_check_hashes_all_but_the_weights(tmp_path, capsys):
+    """verify(deep=False) (a model's lookup in prepare) hashes config.json and the tokenizer's files,
+    which prepare reads before the weights' deep check; a same-size flip there is found, one in the
+    weights is left to the deep check."""
+    p = _published_model(tmp_path)
+    for name, shallow in (("config.json", False), ("w.bin", True)):
+        f = p / name
+        good = f.read_bytes()
+        f.write_bytes(good[:1] + bytes([good[1] ^ 1]) + good[2:])
+        assert Store(tmp_path).verify(p, deep=False) is shallow and not Store(tmp_path).verify(p)
+        assert f"{name}: content hash mismatch" in capsys.readouterr().err
+        f.write_bytes(good)
+
+
+def test_two_threads_join_one_early_check(tmp_path, monkeypatch):
+    """Session.load_ahead's worker and the main thread may both verify a dir verify_soon is still
+    hashing: both wait for its answer, and nothing is hashed twice (the first caller once took the
+    check away, and the second hashed the whole dir again)."""
+    import threading
+    import time
+
+    import stages.blocks.store as store
+
+    p = _published_model(tmp_path)
+    gate, hashed, real = threading.Event(), [], store.file_hash
+    monkeypatch.setattr(store, "file_hash", lambda f: (gate.wait(5), hashed.append(os.path.basename(f)), real(f))[2])
+    fresh = Store(tmp_path)
+    fresh.verify_soon(p)  # its hashing waits on the gate
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(fresh.verify(p))) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)  # the first is waiting on the check before the second asks
+    gate.set()
+    for t in threads:
+        t.join(5)
+    assert got == [True, True] and sorted(hashed) == ["config.json", "w.bin"]

@@ -48,7 +48,7 @@ CASES = [
     ("manifest hash mismatch", "score", 1, "manifest.json", mismatch, None),
     ("manifest missing", "rollout", 3, "manifest.json", drop, None),
     ("flipped byte in the teacher weights", "model", "teacher", "model.safetensors", flip, "score:3"),
-    # read by prepare before any deep check (the positions check): its own hash is checked first
+    # read by prepare before the weights' deep check: a model dir's shallow check hashes all but the weights
     ("flipped byte in the student's config.json", "model", "student", "config.json", flip, None),
 ]
 

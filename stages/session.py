@@ -58,8 +58,7 @@ class Session:
                 if self.placement == "resident" and c.teacher.quant == "none" and c.memory.vram_gib is None:
                     self._ahead.submit("teacher", ahead.verified, self.store, path("teacher"), models.load, c.teacher,
                                        self.device, self.dtype)
-                if self._tok is None:
-                    self._ahead.submit("tokenizer", ahead.verified, self.store, path("student"), ahead.tokenizer)
+                self._ahead.submit("tokenizer", ahead.verified, self.store, path("student"), ahead.tokenizer)
                 self._ahead.submit("pandas", ahead.import_pandas)
             if self.cfg.memory.merge_in_place:
                 why = sampler.supported(base)

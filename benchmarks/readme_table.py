@@ -109,6 +109,13 @@ def table(path: Path) -> str:
     rows += [
         ("first update incl. construction (model loads, graph capture)", f"{ours['first_update_incl_construction_s']} s",
          f"{trl['first_update_incl_construction_s']} s" if _ok(trl) else "-", "≤ 5 s"),
+    ]
+    if ours.get("first_update_since_process_start_s") is not None:  # (recorded since 2026-12-03)
+        rows.append(("first update from the process's start (interpreter, imports, loads, capture)",
+                     f"{ours['first_update_since_process_start_s']} s",
+                     f"{trl['first_update_since_process_start_s']} s"
+                     if _ok(trl) and trl.get("first_update_since_process_start_s") is not None else "-", "-"))
+    rows += [
         ("resume of a finished run (nothing recomputed)", f"{ours['resume_s']} s", "-", "≤ 2 s"),
     ]
     bpath, s = _workload_b(path)

@@ -177,6 +177,7 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile: Pat
                                for ph in ("rollout", "score", "policy")},
         "peak_reserved_gib": {ph: max(s[ph].get("peak_reserved_gib", 0) for s in steps) for ph in ("rollout", "score", "policy")},
         "first_update_incl_construction_s": train_json["timings"].get("first_update_s"),
+        "first_update_since_process_start_s": train_json["timings"].get("first_update_since_process_start_s"),
         # when each piece of that construction was first done, s since the session opened
         "startup_s": train_json["timings"].get("startup_s"),
         "train_process_wall_s": round(train_proc_s, 2),

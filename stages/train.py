@@ -17,7 +17,7 @@ import time
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import prepare, rollout, score, sft, update
-from .blocks import kernels, runview, warmup
+from .blocks import ahead, hostmem, kernels, runview, warmup
 from .blocks.config import Config, logit_temperature
 from .blocks.store import fault, read_state, write_json
 from .session import Session
@@ -135,6 +135,7 @@ def run(sess: Session) -> dict:
                 warm_up(sess)
             if cfg.runtime.warmup:  # the tokenizer, pandas and the teacher read beside the student's load
                 sess.load_ahead()
+                ahead.favour_main_thread()  # until the first update: the threads wait for the main one
     sess.mark("prepared")
     policy0(sess)
     sess.mark("policy0_published")
@@ -175,9 +176,12 @@ def run(sess: Session) -> dict:
                 sess.mark("update_done")
                 if k == 1:  # construction (model loads, graph capture) + the first update
                     sess.timings["first_update_s"] = round(time.perf_counter() - sess.t0, 4)
+                    # and as the user waits for it: from the process's start (interpreter, imports, CLI)
+                    sess.timings["first_update_since_process_start_s"] = hostmem.process_age_s()
                     sess.timings.update(warmup.report())
-                    if (ahead := sess.loaded_ahead()) is not None:  # (stages/blocks/ahead.py)
-                        sess.timings["loaded_ahead"] = ahead
+                    if (read := sess.loaded_ahead()) is not None:  # (stages/blocks/ahead.py)
+                        sess.timings["loaded_ahead"] = read
+                    ahead.restore_switch_interval()
                 # the whole step as a user waits for it: phases + Parquet/adapter IO + publishing
                 sess.timings.setdefault("step_wall_s", []).append(round(time.perf_counter() - t_step, 4))
             else:  # a reused step's rollout and scores are content-checked too before they are linked
@@ -189,6 +193,7 @@ def run(sess: Session) -> dict:
             waiting = [k]
             fault("train.between_steps")
         sess.store.flush()
+        ahead.restore_switch_interval()  # (a run with no update to compute)
         for j in waiting:
             record(j)
     sess.run_dir.mkdir(parents=True, exist_ok=True)

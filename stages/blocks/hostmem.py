@@ -1,4 +1,5 @@
-"""Host memory: keep freed blocks for reuse instead of returning them to the kernel (glibc malloc).
+"""Host memory: keep freed blocks for reuse instead of returning them to the kernel (glibc malloc);
+and the process's own readings (peak resident set, age).
 
 torch's CPU tensors come from malloc. glibc serves a large block (above its mmap threshold, which it
 adapts up to 32 MiB) with a fresh mmap and returns it to the kernel on free, and trims the heap top
@@ -98,3 +99,16 @@ def rss_peak() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def process_age_s() -> float | None:
+    """Linux: seconds since this process started (the kernel's start time, 10 ms ticks), so a
+    figure can count the interpreter's start and imports too; None where /proc cannot say."""
+    try:
+        with open("/proc/self/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime (ticks since boot)
+        with open("/proc/uptime") as f:
+            age = float(f.read().split()[0]) - start / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(age, 2) if 0 <= age < 1e7 else None

@@ -35,8 +35,7 @@
 # printed the session's first commit in every call): name the commit that ran from here, not from it.
 # At most 8 files come back from $OUT: env.txt, gpu-tests.log, gpu-replay.json, systems.log,
 # profile.txt, systems/<date>-<gpu>-systems.{json,md}; `first`: env.txt, first.log,
-# first/first-update.{json,md,pyspy.gz}, lora/lora-build.{json,md} (133 s on a fresh machine without
-# the LoRA benchmark, 2026-12-02).
+# first/first-update.{json,md,pyspy.gz} (133 s on a fresh machine, 2026-12-02).
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-/tmp/out}
@@ -79,9 +78,6 @@ if [ "$what" = first ]; then
   python3 benchmarks/first_update.py --tokenizer .bench/smollm2-tokenizer --out "$out/first" --runs 3 ${OPD_FIRST_EXTRA:-} 2>&1 \
     | tee "$out/first.log" | tail -40
   rc=${PIPESTATUS[0]}
-  # and the LoRA's construction alone, PEFT's against ours (stages/blocks/lora_init.py), ~30 s
-  python3 benchmarks/lora_build.py --out "$out/lora" 2>&1 | tee -a "$out/first.log" | tail -6
-  rc=$(( rc || PIPESTATUS[0] ))
 fi
 if [ "$what" = sdpa ]; then
   python3 benchmarks/sdpa_first_call.py --out "$out/sdpa" 2>&1 | tee "$out/sdpa.log" | tail -20

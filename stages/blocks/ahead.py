@@ -34,10 +34,11 @@ from pathlib import Path
 # a thread waiting for the interpreter lock asks the running one to drop it only after this long
 # (Python's default: 5 ms), and the main thread gives the lock up at every torch call, so each of
 # its hundreds of small calls (building the LoRA, launching a capture's kernels) could wait up to
-# the interval behind a thread running Python. Building the 360M student's LoRA on a 2-core CPU
-# beside a thread running Python bytecode: 7.0 s at 5 ms, 2.4 at 0.5 ms, 1.8 at 0.1 ms, 0.5 alone
-# (`python benchmarks/lora_build.py --switch S`, three repeats each, medians).
-SWITCH_S = 0.0001
+# the interval behind a thread running Python. The student's LoRA built by PEFT on a 2-core AMD EPYC:
+# 0.38 s alone, 12.4 s beside a thread running Python bytecode at 5 ms, 1.35 s at 0.5 ms, 1.57 s at
+# 0.1 ms (medians of five, benchmarks/results/2026-12-03-cpu-switch-interval.md). Not measured apart
+# on the GPU machine: its first update was measured with it (docs/architecture.md, "Startup").
+SWITCH_S = 0.0005
 _switch_before: list[float] = []
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from . import identity, imports, lora_init
+from . import identity, imports
 from .config import ROOT, LoraCfg, ModelCfg
 from .errors import UserError
 from .store import Store, canonical, file_hash, seed_of
@@ -306,9 +306,8 @@ def add_lora(model, lcfg: LoraCfg, seed: int):
     cfg = LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
                      target_modules=list(lcfg.target_modules), bias="none", task_type="CAUSAL_LM")
     try:
-        with peft_wrap_quietly():  # PEFT's values, built without its per-module cost (stages/blocks/lora_init.py)
-            built = lora_init.build(model, cfg) if lora_init.replayable(cfg) else None
-            return built if built is not None else get_peft_model(model, cfg)
+        with peft_wrap_quietly():
+            return get_peft_model(model, cfg)
     except ValueError as e:
         raise UserError(f"key 'lora.target_modules': {str(e).splitlines()[0]}") from None
 

@@ -41,3 +41,19 @@ def test_verified_reads_only_a_dir_whose_hash_checks_out(tmp_path):
 
     assert ahead.verified(Store(True), tmp_path, lambda d, x: (d, x), 3) == (tmp_path, 3)
     assert ahead.verified(Store(False), tmp_path, lambda d, x: 1 / 0, 3) is None  # not read at all
+
+
+def test_the_main_thread_is_favoured_until_restored():
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        ahead.favour_main_thread()
+        ahead.favour_main_thread()  # (a second call changes nothing, and restores to the first value)
+        assert sys.getswitchinterval() == min(before, ahead.SWITCH_S) < 0.005
+        ahead.restore_switch_interval()
+        assert sys.getswitchinterval() == before
+        ahead.restore_switch_interval()  # (nothing left to restore)
+        assert sys.getswitchinterval() == before
+    finally:
+        sys.setswitchinterval(before)

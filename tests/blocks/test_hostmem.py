@@ -47,3 +47,10 @@ def test_a_freed_large_tensor_stays_in_the_heap():
 
 def test_a_users_own_malloc_setting_is_kept():
     assert _probe(MALLOC_TRIM_THRESHOLD_="1000000")["applied"] is None
+
+
+def test_process_age_counts_from_the_process_start():
+    """The age includes what ran before the reading (here a 0.5 s sleep), at the kernel's 10 ms ticks."""
+    code = "import time; time.sleep(0.5); from stages.blocks import hostmem; print(hostmem.process_age_s())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert 0.5 <= float(out.stdout) < 30

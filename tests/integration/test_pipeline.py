@@ -42,6 +42,8 @@ def test_run_produces_a_complete_run_view(work):
     assert [up[e] for e in order] == sorted(up[e] for e in order) and up["prepared"] >= 0, up
     assert up["rollout_done"] <= up["teacher_loaded"] <= up["score_done"], up
     assert up["update_done"] <= timings["first_update_s"] <= timings["total_s"]
+    # the same moment counted from the process's start: the interpreter, imports and the CLI before it
+    assert timings["first_update_s"] < timings["first_update_since_process_start_s"] < timings["first_update_s"] + 60
     st = json.loads((run / "step-0003" / "state.json").read_text())
     for phase in ("rollout", "score", "policy"):
         assert st[phase]["wall_s"] > 0 and st[phase]["tokens_per_s"] > 0 and "peak_rss_gib" in st[phase]

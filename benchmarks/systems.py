@@ -517,21 +517,32 @@ def main(argv=None) -> int:
         tok = str(Path(args.tokenizer).resolve())
         systems_b: list[dict] = []
         result["workloads"]["b"] = {"shape": WORKLOAD_B, "systems": systems_b}
+        left = deadline - time.perf_counter()
         try:
+            if left < 130:  # its random weights take ~40 s before its ~90 s run (2026-12-04: started with
+                # 5 s left, the seed alone ran the call past its limit)
+                raise TimeoutError(f"skipped: {left:.0f} s left before --deadline-s, it needs ~130 s")
             seed_b = seed_store(WORKLOAD_B, wb, tok)
             result["workloads"]["b"]["materialize_random_weights_s"] = seed_b["materialize_random_weights_s"]
             systems_b.append(run_system(ours_pipeline, "opd-stages", deadline, 90, WORKLOAD_B, wb, tok, py, None,
                                         ("train.activation_checkpointing=true", "train.chunk=1024")))
+        except TimeoutError as e:
+            systems_b.append({"name": "opd-stages", "error": str(e)})
         except Exception as e:  # noqa: BLE001  recorded, like any system's failure
             systems_b.append({"name": "opd-stages", "error": f"seed store: {type(e).__name__}: {e}"[-3000:]})
         save()
         print(json.dumps(result["workloads"]["b"], indent=1), flush=True)
     save()
     print(markdown(result))
-    failed = [s["name"] for wres in result["workloads"].values() for s in wres["systems"] if "error" in s]
-    if failed:
-        print(f"not measured: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed else 0
+    return exit_code(result)
+
+
+def exit_code(result: dict) -> int:
+    """1 when a system failed; a system skipped by --deadline-s did what the caller asked (listed, 0)."""
+    missed = [s for wres in result["workloads"].values() for s in wres["systems"] if "error" in s]
+    if missed:
+        print(f"not measured: {', '.join(s['name'] for s in missed)}", file=sys.stderr)
+    return 1 if any(not s["error"].startswith("skipped:") for s in missed) else 0
 
 
 if __name__ == "__main__":

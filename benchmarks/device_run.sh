@@ -31,8 +31,9 @@
 # update's construction is `first` (py-spy; cProfile distorted it).
 # OPD_DEADLINE_S (default 520): seconds from this script's start by which the benchmark stops
 # starting systems (the ones skipped are recorded as such, and leave the exit code 0), so the call
-# ends inside its limit (2026-12-04, 3085b35: the GPU tests took 376 s on a fresh machine and the
-# benchmark 135 s for ours twice and TRL before its deadline skipped miniVERL and workload b).
+# ends inside its limit (2026-12-04, 3085b35: the GPU tests took 376 s on a fresh machine, the
+# benchmark 135 s for ours twice and TRL; the deadline skipped miniVERL, then workload b's seed, not
+# yet under the deadline's check, ran the call past 600 s).
 # The device copy's .git is not refreshed with the work tree (2026-12-01: `git rev-parse HEAD` there
 # printed the session's first commit in every call): name the commit that ran from here, not from it.
 # At most 8 files come back from $OUT: env.txt, gpu-tests.log, gpu-replay.json, systems.log,

@@ -355,12 +355,11 @@ def trainable(peft_model) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def env_versions() -> dict:
-    import importlib.metadata as md
     import platform
 
-    # the installed distributions' versions, read without importing them: importing peft to read its
-    # version (transformers and bitsandbytes with it) cost a fully reused `opd run` ~5 s of its ~10
+    from . import reproducible
+
     return {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": md.version("transformers"), "peft": md.version("peft"),
+            **reproducible.versions(("transformers", "peft")),
             "cuda": torch.version.cuda, "os": f"{platform.system()} {platform.machine()}",
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"}

@@ -112,25 +112,34 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def versions(packages) -> dict:
+    """The installed distributions' versions (None where one is missing), read without importing
+    them: importing peft to read its version (transformers and bitsandbytes with it) took ~5 s of a
+    fully reused `opd run` of ~10."""
+    import importlib.metadata as md
+
+    out = {}
+    for d in packages:
+        try:
+            out[d] = md.version(d)
+        except md.PackageNotFoundError:
+            out[d] = None
+    return out
+
+
 @lru_cache(maxsize=1)
 def stack() -> dict:
     """Library versions, CPU model and the instruction set torch dispatches to, MKL's mode and the
     GPU, plus a digest of all that. Recorded in every stage's state.json and the export manifest;
     never part of an identity (a stage found in the store is used whatever stack computed it; this
     says which one did, and `opd doctor` compares the installed one with requirements.lock)."""
-    import importlib.metadata as md
     import json
     import platform
 
     import torch
     import xxhash
 
-    s: dict = {"python": platform.python_version()}
-    for d in STACK_PACKAGES:
-        try:
-            s[d] = md.version(d)
-        except md.PackageNotFoundError:
-            s[d] = None
+    s: dict = {"python": platform.python_version(), **versions(STACK_PACKAGES)}
     s["cpu"] = f"{_cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
     s["mkl_cbwr"] = mode()
     s["gpu"] = None
@@ -160,13 +169,12 @@ def lock_differences(path) -> list[tuple[str, str, str]]:
     """(name, installed, locked) for every locked distribution installed at another version. torch
     compares by public version (2.13.0+cu130, a GPU user's own build, matches a lock's 2.13.0);
     locked packages that are not installed (e.g. test extras) are not differences."""
-    import importlib.metadata as md
-
+    locked = read_lock(path)
+    installed = versions(locked)
     out = []
-    for name, want in sorted(read_lock(path).items()):
-        try:
-            have = md.version(name)
-        except md.PackageNotFoundError:
+    for name, want in sorted(locked.items()):
+        have = installed[name]
+        if have is None:
             continue
         same = have.split("+")[0] == want.split("+")[0] if name == "torch" else have == want
         if not same:

@@ -72,3 +72,24 @@ def test_the_export_owns_its_files_and_the_store_is_read_only(exported):
     assert "vocab_size_edited" not in src.read_text()
     assert json.loads((exp / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
         str((exp / "base").resolve())
+
+
+def test_an_adapter_export_imports_no_model_library(exported, tmp_path):
+    """Its manifest names transformers' and peft's versions without importing either (importing peft
+    brought transformers, bitsandbytes and Inductor: ~5 s of a fully reused `opd run`)."""
+    import shutil
+    import subprocess
+    import sys
+
+    w = tmp_path / "w"
+    shutil.copytree(exported, w, symlinks=True)  # (the module's other tests read the merged export)
+    shutil.rmtree(w / "artifacts" / "export")
+    probe = ("import sys; from stages import cli; rc = cli.main(['stage', 'export']); "
+             "print(rc, *[m for m in ('transformers', 'peft', 'bitsandbytes') if m in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=w, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split()[-1] == "0", (r.stdout, r.stderr[-2000:])  # exported, nothing imported
+    man = json.loads((w / "artifacts" / "export" / "default" / "manifest.json").read_text())
+    import peft
+    import transformers
+
+    assert (man["versions"]["transformers"], man["versions"]["peft"]) == (transformers.__version__, peft.__version__)

@@ -69,14 +69,9 @@ def test_run_produces_a_complete_run_view(work):
     assert man["versions"]["torch"] and man["digests"]["final_policy"] == json.loads(
         (run / "train.json").read_text())["final_policy"]
     # the exported adapter reloads with plain PEFT and reproduces the trained policy's log-probs
-    import peft
     import torch
-    import transformers
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    # the versions the manifest names (read from the installed distributions) are the imported libraries'
-    assert (man["versions"]["transformers"], man["versions"]["peft"]) == (transformers.__version__, peft.__version__)
 
     m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(exp / "base"), exp / "adapter").eval()
     ids = torch.tensor([ro.column("prompt_ids").to_pylist()[0]])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from . import identity, imports
+from . import identity, imports, reproducible
 from .config import ROOT, LoraCfg, ModelCfg
 from .errors import UserError
 from .store import Store, canonical, file_hash, seed_of
@@ -356,8 +356,6 @@ def trainable(peft_model) -> list[tuple[str, torch.nn.Parameter]]:
 
 def env_versions() -> dict:
     import platform
-
-    from . import reproducible
 
     return {"python": platform.python_version(), "torch": torch.__version__,
             **reproducible.versions(("transformers", "peft")),

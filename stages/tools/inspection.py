@@ -59,14 +59,14 @@ def trajectories(path: Path, step: int | None = None) -> list[dict]:
         sc = tables.read(sc_path, {"uid": None, "teacher_logprobs": None})
         _unique_uids(sc, sc_path)
         teacher = dict(zip(sc.column("uid").to_pylist(), tables.lists(sc, "teacher_logprobs")))
-    tok = _tokenizer(ro_path)
+    decode = _tokenizer(ro_path)
     out = []
     for i, row in enumerate(ro.select([c for c in ("uid", "step", "prompt_text", "response_text", "response_ids",
                                                     "finish_reason") if c in ro.column_names]).to_pylist()):
         t = teacher.get(row["uid"])
         s = lps[i]
         gap = (t - s) if t is not None else None
-        pieces = [tok.decode([x]) for x in row["response_ids"]] if tok else [str(x) for x in row["response_ids"]]
+        pieces = [decode([x]) for x in row["response_ids"]] if decode else [str(x) for x in row["response_ids"]]
         scored = None if gap is None else np.isfinite(gap)  # position selection leaves NaN where unscored
         out.append({**row, "tokens": pieces, "sample_logprobs": s.tolist(),
                     "teacher_logprobs": None if t is None else [float(x) if np.isfinite(x) else None for x in t],
@@ -75,21 +75,33 @@ def trajectories(path: Path, step: int | None = None) -> list[dict]:
 
 
 def _tokenizer(ro_path: Path):
-    """The student's tokenizer, found through the run view's prepare.json (None if unavailable)."""
+    """The student's tokenizer's decode (list of ids -> text), found through the run view's
+    prepare.json (None if unavailable)."""
     run_dir = ro_path.parent.parent
     prep = run_dir / "prepare.json"
     if not prep.exists():
         return None
     dig = json.loads(prep.read_text())["student"]
     store = run_dir.parent.parent / "store" / "model" / dig
-    return _load_tokenizer(str(store)) if (store / "tokenizer_config.json").exists() else None
+    return _load_decode(str(store)) if (store / "tokenizer_config.json").exists() else None
 
 
 @functools.lru_cache(maxsize=4)
-def _load_tokenizer(path: str):
+def _load_decode(path: str):
+    """The `tokenizers` library's decode of the saved tokenizer.json where it is the whole story (no
+    clean-up of spaces), which is transformers' decode without importing transformers: `opd inspect`
+    of a step took 5.3 s with that import, 0.7 s without (docs/architecture.md, "Startup"). Else
+    transformers' own."""
+    d = Path(path)
+    conf = json.loads((d / "tokenizer_config.json").read_text())
+    if (d / "tokenizer.json").exists() and not conf.get("clean_up_tokenization_spaces"):
+        from tokenizers import Tokenizer
+
+        tk = Tokenizer.from_file(str(d / "tokenizer.json"))
+        return lambda ids: tk.decode(ids, skip_special_tokens=False)  # (transformers' default; tokenizers' is True)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path).decode
 
 
 def select(spec: str | None, step: int | None, every_step: bool) -> list[Path]:

@@ -117,6 +117,8 @@ def test_inspect_prints_tokens_and_gaps(work):
     r = opd("inspect", "artifacts/runs/default", "--step", "1", "--format", "json", cwd=work)
     rows = json.loads(r.stdout)
     assert len(rows) == 4 and all(len(x["tokens"]) == len(x["teacher_logprobs"]) for x in rows)
+    tok = session(work).tokenizer()  # the pieces are the student tokenizer's, one per sampled token
+    assert [x["tokens"] for x in rows] == [[tok.decode([i]) for i in x["response_ids"]] for x in rows]
     worst = json.loads(opd("inspect", "artifacts/runs/default", "--step", "1", "--worst", "1", "--format", "json",
                            cwd=work).stdout)
     assert worst[0]["mean_gap"] == max(x["mean_gap"] for x in rows)

@@ -59,7 +59,7 @@ def trajectories(path: Path, step: int | None = None) -> list[dict]:
         sc = tables.read(sc_path, {"uid": None, "teacher_logprobs": None})
         _unique_uids(sc, sc_path)
         teacher = dict(zip(sc.column("uid").to_pylist(), tables.lists(sc, "teacher_logprobs")))
-    decode = _tokenizer(ro_path)
+    decode = _decoder(ro_path)
     out = []
     for i, row in enumerate(ro.select([c for c in ("uid", "step", "prompt_text", "response_text", "response_ids",
                                                     "finish_reason") if c in ro.column_names]).to_pylist()):
@@ -74,7 +74,7 @@ def trajectories(path: Path, step: int | None = None) -> list[dict]:
     return out
 
 
-def _tokenizer(ro_path: Path):
+def _decoder(ro_path: Path):
     """The student's tokenizer's decode (list of ids -> text), found through the run view's
     prepare.json (None if unavailable)."""
     run_dir = ro_path.parent.parent

@@ -4,7 +4,10 @@ adapter with `AutoPeftModelForCausalLM`, the merged model with `AutoModelForCaus
 from __future__ import annotations
 
 import json
+import shutil
 import stat
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,8 +17,6 @@ from support import TINY, opd
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, seeded_store):
-    import shutil
-
     from support import ROOT
 
     d = tmp_path_factory.mktemp("export")
@@ -77,10 +78,6 @@ def test_the_export_owns_its_files_and_the_store_is_read_only(exported):
 def test_an_adapter_export_imports_no_model_library(exported, tmp_path):
     """Its manifest names transformers' and peft's versions without importing either (importing peft
     brought transformers, bitsandbytes and Inductor: ~5 s of a fully reused `opd run`)."""
-    import shutil
-    import subprocess
-    import sys
-
     w = tmp_path / "w"
     shutil.copytree(exported, w, symlinks=True)  # (the module's other tests read the merged export)
     shutil.rmtree(w / "artifacts" / "export")

@@ -4,7 +4,7 @@ py-spy (a sampling profiler: unlike cProfile it does not slow each Python call, 
 calls through torch's dispatcher keep their real proportions).
 
     python benchmarks/first_update.py --tokenizer DIR --out DIR [--runs 2] [--sampler py-spy] [--smoke]
-        [--against runtime.warmup=false]
+        [--against runtime.warmup=false] [--cold]
     python benchmarks/first_update.py --explain FILE.pyspy.gz --under 'make_graphed_callables' [--under ...]
 
 Writes <out>/first-update.json and .md: per process its wall time, `first_update_s` and
@@ -98,8 +98,11 @@ def under(raw: Path, name: str, top: int = 15) -> list[list]:
     return seconds(c, top)
 
 
-def one_process(w: dict, work: Path, tok: str, tag: str, sampler: str | None, extra: tuple[str, ...]) -> dict:
+def one_process(w: dict, work: Path, tok: str, tag: str, sampler: str | None, extra: tuple[str, ...],
+                cold: bool = False) -> dict:
     cmd, cwd, env, art = systems.one_update_run(w, work, tok, tag, extra)
+    if cold:  # compile caches of its own, empty: Triton's and Inductor's (a fresh machine's first run)
+        env = {**env, "TRITON_CACHE_DIR": str(cwd / "cold-triton"), "TORCHINDUCTOR_CACHE_DIR": str(cwd / "cold-inductor")}
     raw = cwd / "first-update.pyspy"
     out: dict = {"name": tag}
     if sampler == "py-spy":
@@ -118,16 +121,18 @@ def one_process(w: dict, work: Path, tok: str, tag: str, sampler: str | None, ex
     timings = json.loads((art / "runs" / tag / "train.json").read_text())["timings"]
     out["first_update_s"] = timings.get("first_update_s")
     out["startup_s"] = timings.get("startup_s")
+    out["warmup"] = {k: v for k, v in timings.items() if k.startswith(("warmup_", "precompile_"))}
     if raw.exists():
         out["profile"] = summarise(raw)
         out["raw"] = str(raw)
     return out
 
 
-def compare(processes: list[dict]) -> dict[str, list[float]]:
-    """First updates per set (ours: first-N, the comparison: against-N), the first process of all left out."""
+def compare(processes: list[dict], cold: bool = False) -> dict[str, list[float]]:
+    """First updates per set (ours: first-N, the comparison: against-N), the first process of all left
+    out (its compile caches were cold, the others' warm) unless every process ran cold."""
     out: dict[str, list[float]] = {"ours": [], "against": []}
-    for p in processes[1:]:
+    for p in processes[0 if cold else 1:]:
         out["against" if p["name"].startswith("against-") else "ours"].append(p["first_update_s"])
     return out
 
@@ -138,11 +143,12 @@ def markdown(res: dict) -> str:
              "| process | wall s | first update s | construction pieces (s since the session opened) |", "|---|---|---|---|"]
     for p in res["processes"]:
         lines.append(f"| {p['name']} ({p.get('sampler', 'unsampled')}) | {p['process_wall_s']} | {p['first_update_s']} | "
-                     f"{systems.pieces(p.get('startup_s') or {})} |")
+                     f"{systems.pieces({**(p.get('startup_s') or {}), **p.get('warmup', {})})} |")
     if res.get("against"):
-        lines += ["", f"Against `{' '.join(res['against'])}` (the `against-N` processes), first update without the "
-                  "first process of all (cold caches), median over the rest:", ""]
-        for name, vals in compare(res["processes"]).items():
+        which = ("every process on empty compile caches of its own (--cold), median:" if res.get("cold") else
+                 "first update without the first process of all (cold caches), median over the rest:")
+        lines += ["", f"Against `{' '.join(res['against'])}` (the `against-N` processes), {which}", ""]
+        for name, vals in compare(res["processes"], res.get("cold", False)).items():
             lines.append(f"- {name}: {statistics.median(vals):.3f} s over {len(vals)} ({', '.join(f'{v:.3f}' for v in vals)})"
                          if vals else f"- {name}: no warm process")
     for p in res["processes"]:
@@ -172,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], help="more overrides for our runs (key=value)")
     ap.add_argument("--against", action="append", default=[],
                     help="overrides (key=value) of a comparison set of processes, interleaved with ours")
+    ap.add_argument("--cold", action="store_true",
+                    help="every process on empty Triton and Inductor caches of its own (a fresh machine's first run)")
     args = ap.parse_args(argv)
     if args.explain:
         for name in args.under:
@@ -189,14 +197,16 @@ def main(argv: list[str] | None = None) -> int:
 
     res = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
            "device": torch.cuda.get_device_name(0) if systems.DEVICE == "cuda" else "cpu",
-           "shape": w, "seed": systems.seed_store(w, work, tok), "processes": [], "against": args.against}
+           "shape": w, "seed": systems.seed_store(w, work, tok), "processes": [], "against": args.against,
+           "cold": args.cold}
     args.out.mkdir(parents=True, exist_ok=True)
     for i in range(args.runs):
         last = i == args.runs - 1
         if args.against:
-            res["processes"].append(one_process(w, work, tok, f"against-{i + 1}", None, (*args.set, *args.against)))
+            res["processes"].append(one_process(w, work, tok, f"against-{i + 1}", None, (*args.set, *args.against),
+                                                args.cold))
         res["processes"].append(one_process(w, work, tok, f"first-{i + 1}", args.sampler if last else None,
-                                            tuple(args.set)))
+                                            tuple(args.set), args.cold))
         (args.out / "first-update.json").write_text(json.dumps(res, indent=1) + "\n")
         (args.out / "first-update.md").write_text(markdown(res))
     raw = res["processes"][-1].get("raw")

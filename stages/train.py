@@ -115,8 +115,9 @@ def warm_up(sess: Session) -> None:
     configs = [sess.store.path("model", sess.prepared[role]) / "config.json" for role in ("student", "teacher")]
     warmup.start(*configs, rows=r.batch_size * r.n, prompt=-(-cfg.data.max_prompt_tokens // 16) * 16,
                  new=r.max_new_tokens, length=sess.forward_length(), rank=cfg.lora.r,
-                 sampling=(logit_temperature(r), r.top_p, r.temperature == 0), dtype=sess.dtype, device=sess.device,
-                 compiled=sess.compiled_decode)
+                 sampling=(logit_temperature(r), r.top_p, r.temperature == 0), min_new=r.min_new_tokens,
+                 dtype=sess.dtype, device=sess.device, compiled=sess.compiled_decode,
+                 precompile=cfg.runtime.precompile)
 
 
 def run(sess: Session) -> dict:

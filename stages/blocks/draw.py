@@ -45,7 +45,9 @@ if triton is not None:
             x = tl.where((idx == eos) & (tl.load(BLOCK_EOS + r) != 0), float("-inf"), x)
         return x / temperature
 
-    @triton.jit
+    # eos: not specialized (Triton would compile again for an id divisible by 16, or 1): the warm-up's
+    # and the child's compilations (stages/blocks/warmup.py) serve every tokenizer's EOS
+    @triton.jit(do_not_specialize=["eos"])
     def _chunk_stats(X, BLOCK_EOS, MC, SC, V, sx, temperature, eos, NC, C: tl.constexpr, HAS_EOS: tl.constexpr):
         r, c = tl.program_id(0), tl.program_id(1)
         x = _logit(X, BLOCK_EOS, r, c * C + tl.arange(0, C), V, sx, temperature, eos, HAS_EOS)  # [C]
@@ -54,7 +56,7 @@ if triton is not None:
         tl.store(MC + r * NC + c, m)
         tl.store(SC + r * NC + c, s)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["eos"])
     def _pick(X, BLOCK_EOS, MC, SC, U, TOK, LP, V, sx, temperature, eos, NC,
               NCP: tl.constexpr, C: tl.constexpr, HAS_EOS: tl.constexpr):
         r = tl.program_id(0)

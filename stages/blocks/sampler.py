@@ -189,14 +189,7 @@ class Engine:
         step(self.W, st, how, self._decode_layer(st["tok"].shape[0]))
 
     def _decode_layer(self, rows: int):
-        """The decode step's layer: with runtime.compile, the Triton kernels alone where they serve
-        these rows (kernels.usable: nothing is left for Inductor, so nothing compiles), else the
-        compiled layer; without it, eager."""
-        if not self.compile:
-            return decoder.layer
-        if kernels.usable(rows, self.W["dtype"], self.device, decoder.activation(self.W)):
-            return decoder.fused_layer
-        return decoder.compiled_layer()
+        return decode_layer(self.W, rows, self.compile)
 
     def _graphed(self, inp: dict, how: tuple):
         """This call's inputs into the captured graphs' static buffers, the prefill replayed: (the
@@ -242,6 +235,17 @@ class Engine:
         with torch.cuda.graph(step, pool=prefill.pool()):  # replayed after the prefill, never alongside
             self._step(st, how)
         return {"inp": static, "st": st, "prefill": prefill, "step": step}
+
+
+def decode_layer(W: dict, rows: int, compile: bool):
+    """The decode step's layer for these sampling weights: with runtime.compile, the Triton kernels
+    alone where they serve these rows (kernels.usable: nothing is left for Inductor, so nothing
+    compiles), else the compiled layer; without it, eager."""
+    if not compile:
+        return decoder.layer
+    if kernels.usable(rows, W["dtype"], W["embed"].device, decoder.activation(W)):
+        return decoder.fused_layer
+    return decoder.compiled_layer()
 
 
 def prefill(W: dict, inp: dict, how: tuple) -> dict:

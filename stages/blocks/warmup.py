@@ -25,6 +25,8 @@ not started; nor with memory.vram_gib set, whose budget its transient ~0.5 GiB i
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -33,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import decoder, graphs, sampler
+from . import decoder, graphs, kernels, sampler
 
 _RUNNING: list[threading.Thread] = []  # at most one: the process's warm-up, until `wait` joins it
 _RESULT: dict = {}  # what it recorded (`report`)
@@ -50,23 +52,32 @@ def dims(config_json: Path) -> dict:
 
 
 def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, length: int, rank: int,
-          sampling: tuple, dtype: torch.dtype, device: torch.device, compiled: bool) -> None:
+          sampling: tuple, min_new: int, dtype: torch.dtype, device: torch.device, compiled: bool,
+          precompile: bool) -> None:
     """Start the warm-up (CUDA only). student/teacher: the models' config.json, read by `dims` on the
     thread (prepare checked its hash; a read that fails anyway fails the warm-up, not the run); rows: the
     rollout's batch; prompt: its padded prompt length; new: new tokens; length: the teacher-forced
-    forwards' padded length; rank: the LoRA's r; sampling: (temperature, top_p, greedy); compiled:
-    the engine's decode kernels."""
+    forwards' padded length; rank: the LoRA's r; sampling: (temperature, top_p, greedy); min_new: the
+    rollout's min_new_tokens (the draw's EOS block is compiled in or not); compiled: the engine's
+    decode kernels; precompile: compile the engine's Triton kernels in a child process first (`_child`)."""
     if device.type != "cuda" or _RUNNING:
         return
+    spec = {"config": str(student), "rows": rows, "prompt": prompt, "new": new, "sampling": list(sampling),
+            "min_new": min_new, "dtype": str(dtype).removeprefix("torch."), "compiled": compiled,
+            "device": device.index if device.index is not None else torch.cuda.current_device()}
+    child = _spawn(spec) if precompile and kernels.triton is not None else None
 
     def run() -> None:
         t = time.perf_counter()
         try:
             ds, dt = dims(student), dims(teacher)
             with torch.cuda.stream(torch.cuda.Stream(device)):
-                _sample(ds, rows, prompt, new, sampling, dtype, device, compiled)
                 _teacher_forced(dt, rows, length, 0, dtype, device, train=False)
                 _teacher_forced(ds, rows, length, rank, dtype, device, train=True)
+                if child is not None:  # (its compilations in Triton's cache: the sample below loads them)
+                    _join_child(child)
+                _sample(ds, rows, prompt, new, sampling, min_new, dtype, device,
+                        decoder.fused_layer if compiled else decoder.layer)
                 torch.cuda.current_stream().synchronize()
             _RESULT["warmup_s"] = round(time.perf_counter() - t, 4)
         except Exception as e:  # noqa: BLE001  only a head start: the run pays these first calls itself
@@ -96,8 +107,57 @@ def wait() -> None:
 
 
 def report() -> dict:
-    """What the process's warm-up recorded: {"warmup_s": seconds} or {"warmup_error": "..."} ({} if none ran)."""
+    """What the process's warm-up recorded: {"warmup_s": seconds} or {"warmup_error": "..."} ({} if none
+    ran), with its child's {"precompile_s": seconds} or {"precompile_error": "..."} where one ran."""
     return dict(_RESULT)
+
+
+CHILD_TIMEOUT_S = 300  # a child still compiling after this is killed; the run compiles what is left in line
+
+
+def _spawn(spec: dict) -> subprocess.Popen | None:
+    """The child that compiles the rollout engine's Triton kernels (`_child`), started now. A cold
+    Triton cache made the warm-up thread compile them in this process, where the compiler holds the
+    interpreter against the main thread's imports and the main thread waited for it at the engine's
+    capture (docs/architecture.md, "Startup"); a process of its own compiles on another core."""
+    root = Path(__file__).resolve().parents[2]  # the directory holding this `stages` package
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "stages.blocks.warmup", json.dumps(spec)], env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    except OSError as e:
+        _RESULT["precompile_error"] = f"{type(e).__name__}: {e}"
+        return None
+    proc.started = time.perf_counter()  # (for precompile_s)
+    return proc
+
+
+def _join_child(proc: subprocess.Popen) -> None:
+    """Wait for the child (the interpreter is free meanwhile) and record how it went."""
+    try:
+        _, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        err = f"TimeoutExpired: still compiling after {CHILD_TIMEOUT_S} s"
+    if proc.returncode == 0:
+        _RESULT["precompile_s"] = round(time.perf_counter() - proc.started, 4)
+    else:
+        _RESULT["precompile_error"] = (err.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:200]
+
+
+def _child(spec: dict) -> None:
+    """In the child: the engine's prefill and decode step at the run's shapes, one layer of constant
+    weights, with the layer the engine will take (sampler.decode_layer: the Triton kernels, or the
+    compiled layer past kernels.MAX_ROWS rows, Inductor's cache then filled too). What it compiles
+    lands in the on-disk caches the parent reads; nothing else is kept."""
+    d, dtype = dims(Path(spec["config"])), getattr(torch, spec["dtype"])
+    device = torch.device("cuda", spec["device"])
+    torch.cuda.set_device(device)
+    W = _weights(d, dtype, device)
+    _sample(d, spec["rows"], spec["prompt"], spec["new"], tuple(spec["sampling"]), spec["min_new"], dtype, device,
+            sampler.decode_layer(W, spec["rows"], spec["compiled"]), W)
+    torch.cuda.synchronize(device)
 
 
 def _full(shape, value, dtype, device, grad=False):
@@ -119,15 +179,16 @@ def _weights(d: dict, dtype, device) -> dict:
 
 
 @torch.no_grad()
-def _sample(d, B, P, N, sampling, dtype, device, compiled) -> None:
-    """The engine's prefill and one decode step (sampler.prefill / sampler.step), eager."""
-    W = _weights(d, dtype, device)
+def _sample(d, B, P, N, sampling, min_new, dtype, device, layer, W=None) -> None:
+    """The engine's prefill and one decode step (sampler.prefill / sampler.step) through `layer`,
+    the EOS blocked as min_new blocks it (the draw's kernels differ with and without)."""
+    W = W or _weights(d, dtype, device)
     temperature, top_p, greedy = sampling
     inp = {"ids": torch.zeros(B, P, dtype=torch.long, device=device),
            "pad_len": torch.arange(B, device=device) % P, "u": _full((max(N, 2), B), 0.5, torch.float32, device)}
-    how = (max(N, 2), temperature, top_p, greedy, 0, 0, 0)
+    how = (max(N, 2), temperature, top_p, greedy, min(min_new, N), 0, 0)
     st = sampler.prefill(W, inp, how)
-    sampler.step(W, st, how, decoder.fused_layer if compiled else decoder.layer)
+    sampler.step(W, st, how, layer)
 
 
 def _teacher_forced(d, B, T, r, dtype, device, train: bool) -> None:
@@ -174,3 +235,7 @@ def _teacher_forced(d, B, T, r, dtype, device, train: bool) -> None:
         top = logp.topk(32, dim=-1)
         if train:
             (-(top.values.exp() * top.values).sum()).backward()
+
+
+if __name__ == "__main__":  # the child `_spawn` starts: python -m stages.blocks.warmup SPEC_JSON
+    _child(json.loads(sys.argv[1]))

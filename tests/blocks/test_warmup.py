@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from stages.blocks import warmup
+from stages.blocks import decoder, warmup
 
 CPU = torch.device("cpu")
 LLAMA = {"E": 64, "H": 4, "KV": 2, "D": 16, "I": 96, "V": 500, "eps": 1e-5, "act": "silu", "qk_norm": False,
@@ -30,17 +30,32 @@ def test_dims_read_a_config_json(tmp_path):
 def test_its_work_draws_no_random_numbers_at_any_architecture_it_meets():
     before = torch.random.get_rng_state()
     for d in (LLAMA, {**LLAMA, "qk_norm": True}, {**LLAMA, "bias": True}):
-        for compiled in (False, True):  # (fused_layer falls back to the eager layer off CUDA)
-            warmup._sample(d, 3, 16, 4, (1.0, 1.0, False), torch.float32, CPU, compiled)
-        warmup._sample(d, 3, 16, 4, (0.7, 0.9, False), torch.float32, CPU, False)  # top-p's passes
-        warmup._sample(d, 3, 16, 4, (1.0, 1.0, True), torch.float32, CPU, False)  # greedy
+        for layer in (decoder.layer, decoder.fused_layer):  # (fused_layer falls back to the eager layer off CUDA)
+            for min_new in (0, 4):  # (the EOS blocked or not)
+                warmup._sample(d, 3, 16, 4, (1.0, 1.0, False), min_new, torch.float32, CPU, layer)
+        warmup._sample(d, 3, 16, 4, (0.7, 0.9, False), 0, torch.float32, CPU, decoder.layer)  # top-p's passes
+        warmup._sample(d, 3, 16, 4, (1.0, 1.0, True), 0, torch.float32, CPU, decoder.layer)  # greedy
         warmup._teacher_forced(d, 3, 32, 0, torch.float32, CPU, train=False)
         warmup._teacher_forced(d, 3, 32, 4, torch.float32, CPU, train=True)
     assert torch.equal(torch.random.get_rng_state(), before)
 
 
 def test_nothing_starts_off_cuda(tmp_path):
-    warmup.start(tmp_path / "config.json", tmp_path / "config.json", rows=2, prompt=16, new=4, length=32, rank=4, sampling=(1.0, 1.0, False),
-                 dtype=torch.float32, device=CPU, compiled=False)
-    assert warmup._RUNNING == [] and warmup.report() == {}
+    warmup.start(tmp_path / "config.json", tmp_path / "config.json", rows=2, prompt=16, new=4, length=32, rank=4,
+                 sampling=(1.0, 1.0, False), min_new=0, dtype=torch.float32, device=CPU, compiled=True, precompile=True)
+    assert warmup._RUNNING == [] and warmup.report() == {}  # (nor a child: it would report)
     warmup.wait()  # nothing to join
+
+
+def test_a_failing_child_is_reported_in_one_line_not_raised(tmp_path, monkeypatch):
+    """The precompiling child runs this package's module (found through the PYTHONPATH it is given,
+    whatever the working directory) and its failure becomes the warm-up's record, not the run's error:
+    here a config.json that is not there."""
+    monkeypatch.setattr(warmup, "_RESULT", {})
+    monkeypatch.chdir(tmp_path)
+    spec = {"config": str(tmp_path / "missing.json"), "rows": 2, "prompt": 16, "new": 4, "sampling": [1.0, 1.0, False],
+            "min_new": 0, "dtype": "bfloat16", "compiled": True, "device": 0}
+    warmup._join_child(warmup._spawn(spec))
+    err = warmup.report()["precompile_error"]
+    assert "precompile_s" not in warmup.report() and "\n" not in err and len(err) <= 200
+    assert err.startswith("FileNotFoundError") and "missing.json" in err, err  # (not "No module named stages")

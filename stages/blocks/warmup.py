@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import decoder, graphs, kernels, sampler
+from . import decoder, draw, graphs, kernels, sampler
 
 _RUNNING: list[threading.Thread] = []  # at most one: the process's warm-up, until `wait` joins it
 _RESULT: dict = {}  # what it recorded (`report`)
@@ -59,13 +59,14 @@ def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, len
     rollout's batch; prompt: its padded prompt length; new: new tokens; length: the teacher-forced
     forwards' padded length; rank: the LoRA's r; sampling: (temperature, top_p, greedy); min_new: the
     rollout's min_new_tokens (the draw's EOS block is compiled in or not); compiled: the engine's
-    decode kernels; precompile: compile the engine's Triton kernels in a child process first (`_child`)."""
+    decode kernels; precompile: compile the engine's Triton kernels in child processes first (`_child`)."""
     if device.type != "cuda" or _RUNNING:
         return
     spec = {"config": str(student), "rows": rows, "prompt": prompt, "new": new, "sampling": list(sampling),
             "min_new": min_new, "dtype": str(dtype).removeprefix("torch."), "compiled": compiled,
             "device": device.index if device.index is not None else torch.cuda.current_device()}
-    child = _spawn(spec) if precompile and kernels.triton is not None else None
+    parts = PARTS if compiled else ("draw",)  # (the eager decode step launches no Triton kernel but the draw's)
+    children = [_spawn({**spec, "part": part}) for part in parts] if precompile and kernels.triton is not None else []
 
     def run() -> None:
         t = time.perf_counter()
@@ -74,8 +75,7 @@ def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, len
             with torch.cuda.stream(torch.cuda.Stream(device)):
                 _teacher_forced(dt, rows, length, 0, dtype, device, train=False)
                 _teacher_forced(ds, rows, length, rank, dtype, device, train=True)
-                if child is not None:  # (its compilations in Triton's cache: the sample below loads them)
-                    _join_child(child)
+                _join_children(children)  # (their compilations in Triton's cache: the sample below loads them)
                 _sample(ds, rows, prompt, new, sampling, min_new, dtype, device,
                         decoder.fused_layer if compiled else decoder.layer)
                 torch.cuda.current_stream().synchronize()
@@ -108,18 +108,24 @@ def wait() -> None:
 
 def report() -> dict:
     """What the process's warm-up recorded: {"warmup_s": seconds} or {"warmup_error": "..."} ({} if none
-    ran), with its child's {"precompile_s": seconds} or {"precompile_error": "..."} where one ran."""
+    ran), with its children's {"precompile_s": seconds until the last finished} or {"precompile_error":
+    "..."} where they ran."""
     return dict(_RESULT)
 
 
 CHILD_TIMEOUT_S = 300  # a child still compiling after this is killed; the run compiles what is left in line
+# What each child compiles (`_child`): the draw's two kernels, and the decode step's with the draw
+# off; disjoint, so the two compile side by side. (One child for both took 9.7 s after the session
+# opened on a cold cache on the H200, ~5 s of it compiling: the engine's capture waited for it.)
+PARTS = ("draw", "step")
 
 
 def _spawn(spec: dict) -> subprocess.Popen | None:
-    """The child that compiles the rollout engine's Triton kernels (`_child`), started now. A cold
-    Triton cache made the warm-up thread compile them in this process, where the compiler holds the
-    interpreter against the main thread's imports and the main thread waited for it at the engine's
-    capture (docs/architecture.md, "Startup"); a process of its own compiles on another core."""
+    """A child that compiles part of the rollout engine's Triton kernels (`_child`), started now. A cold
+    Triton cache made the warm-up thread compile them in this process, where Triton's code generator
+    (Python) holds the interpreter against the main thread's imports and its compiler runs (ptxas,
+    the C launchers) one after another, and the main thread waited for it at the engine's capture
+    (docs/architecture.md, "Startup"); processes of their own compile on other cores."""
     root = Path(__file__).resolve().parents[2]  # the directory holding this `stages` package
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
     try:
@@ -132,31 +138,43 @@ def _spawn(spec: dict) -> subprocess.Popen | None:
     return proc
 
 
-def _join_child(proc: subprocess.Popen) -> None:
-    """Wait for the child (the interpreter is free meanwhile) and record how it went."""
-    try:
-        _, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-        err = f"TimeoutExpired: still compiling after {CHILD_TIMEOUT_S} s"
-    if proc.returncode == 0:
-        _RESULT["precompile_s"] = round(time.perf_counter() - proc.started, 4)
-    else:
-        _RESULT["precompile_error"] = (err.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:200]
+def _join_children(procs: list) -> None:
+    """Wait for the children (the interpreter is free meanwhile) and record how it went: the first
+    failure's last line, else the seconds until the last one finished."""
+    errors = []
+    for proc in procs:
+        if proc is None:  # (could not be started: _spawn recorded why)
+            continue
+        try:
+            _, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            err = f"TimeoutExpired: still compiling after {CHILD_TIMEOUT_S} s"
+        if proc.returncode != 0:
+            errors.append((err.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:200])
+    if errors:
+        _RESULT["precompile_error"] = errors[0]
+    elif procs and "precompile_error" not in _RESULT:
+        _RESULT["precompile_s"] = round(time.perf_counter() - procs[0].started, 4)
 
 
 def _child(spec: dict) -> None:
-    """In the child: the engine's prefill and decode step at the run's shapes, one layer of constant
-    weights, with the layer the engine will take (sampler.decode_layer: the Triton kernels, or the
-    compiled layer past kernels.MAX_ROWS rows, Inductor's cache then filled too). What it compiles
-    lands in the on-disk caches the parent reads; nothing else is kept."""
+    """In a child: the engine's prefill and decode step at the run's shapes, one layer of constant
+    weights. part "draw": through the eager layer (no Triton kernel but the draw's); part "step":
+    with the draw's kernels off (draw.ON, this process's own) and the layer the engine will take
+    (sampler.decode_layer: the Triton kernels, or the compiled layer past kernels.MAX_ROWS rows,
+    Inductor's cache then filled too). What it compiles lands in the on-disk caches the parent
+    reads; nothing else is kept."""
     d, dtype = dims(Path(spec["config"])), getattr(torch, spec["dtype"])
     device = torch.device("cuda", spec["device"])
     torch.cuda.set_device(device)
     W = _weights(d, dtype, device)
+    if spec["part"] == "step":
+        draw.ON = False
+    layer = decoder.layer if spec["part"] == "draw" else sampler.decode_layer(W, spec["rows"], spec["compiled"])
     _sample(d, spec["rows"], spec["prompt"], spec["new"], tuple(spec["sampling"]), spec["min_new"], dtype, device,
-            sampler.decode_layer(W, spec["rows"], spec["compiled"]), W)
+            layer, W)
     torch.cuda.synchronize(device)
 
 

@@ -48,14 +48,14 @@ def test_nothing_starts_off_cuda(tmp_path):
 
 
 def test_a_failing_child_is_reported_in_one_line_not_raised(tmp_path, monkeypatch):
-    """The precompiling child runs this package's module (found through the PYTHONPATH it is given,
-    whatever the working directory) and its failure becomes the warm-up's record, not the run's error:
+    """The precompiling children run this package's module (found through the PYTHONPATH it is given,
+    whatever the working directory) and a failure becomes the warm-up's record, not the run's error:
     here a config.json that is not there."""
     monkeypatch.setattr(warmup, "_RESULT", {})
     monkeypatch.chdir(tmp_path)
     spec = {"config": str(tmp_path / "missing.json"), "rows": 2, "prompt": 16, "new": 4, "sampling": [1.0, 1.0, False],
             "min_new": 0, "dtype": "bfloat16", "compiled": True, "device": 0}
-    warmup._join_child(warmup._spawn(spec))
+    warmup._join_children([warmup._spawn({**spec, "part": part}) for part in warmup.PARTS])
     err = warmup.report()["precompile_error"]
     assert "precompile_s" not in warmup.report() and "\n" not in err and len(err) <= 200
     assert err.startswith("FileNotFoundError") and "missing.json" in err, err  # (not "No module named stages")

@@ -108,15 +108,16 @@ def wait() -> None:
 
 def report() -> dict:
     """What the process's warm-up recorded: {"warmup_s": seconds} or {"warmup_error": "..."} ({} if none
-    ran), with its children's {"precompile_s": seconds until the last finished} or {"precompile_error":
+    ran), with its children's {"precompile_s": seconds from their start until the thread, its
+    teacher-forced calls done, found them all finished (an upper bound)} or {"precompile_error":
     "..."} where they ran."""
     return dict(_RESULT)
 
 
 CHILD_TIMEOUT_S = 300  # a child still compiling after this is killed; the run compiles what is left in line
 # What each child compiles (`_child`): the draw's two kernels, and the decode step's with the draw
-# off; disjoint, so the two compile side by side. (One child for both took 9.7 s after the session
-# opened on a cold cache on the H200, ~5 s of it compiling: the engine's capture waited for it.)
+# off; disjoint, so the two compile side by side. (One child for both was found done 9.7-10.3 s after
+# it started, on cold caches on the H200, ~5 s of it compiling: the engine's capture waited for it.)
 PARTS = ("draw", "step")
 
 

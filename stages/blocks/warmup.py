@@ -141,7 +141,7 @@ def _spawn(spec: dict) -> subprocess.Popen | None:
 
 def _join_children(procs: list) -> None:
     """Wait for the children (the interpreter is free meanwhile) and record how it went: the first
-    failure's last line, else the seconds until the last one finished."""
+    failure's last line, else the seconds from their start until this found them all finished."""
     errors = []
     for proc in procs:
         if proc is None:  # (could not be started: _spawn recorded why)

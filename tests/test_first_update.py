@@ -42,3 +42,22 @@ def test_summary_charges_each_function_once_per_stack_and_merges_lines(tmp_path)
     assert first_update.under(gz, "load (stages/") == [["<module> (sklearn/__init__.py)", 1.5],
                                                       ["from_pretrained (transformers/modeling_utils.py)", 0.5]]
     assert first_update.under(gz, "main (stages/cli.py)") == [["load (stages/blocks/models.py)", 2.0]]
+
+
+def test_cold_sets_compare_every_process_and_show_the_warmup_record():
+    """--cold: every process ran on empty compile caches, so none is left out of the comparison
+    (without it the first process of all is: its caches were the machine's cold ones); the
+    warm-up's and the precompiling children's records sit among the construction pieces."""
+    procs = [{"name": n, "process_wall_s": 9.0, "first_update_s": t, "startup_s": {"policy0_published": 6.0},
+              "warmup": w} for n, t, w in (("against-1", 9.5, {"warmup_s": 7.5}),
+                                            ("first-1", 8.5, {"precompile_s": 6.2, "warmup_s": 6.4}),
+                                            ("against-2", 10.4, {"warmup_s": 8.0}),
+                                            ("first-2", 9.1, {"precompile_s": 6.9, "warmup_s": 7.0}))]
+    assert first_update.compare(procs, cold=True) == {"ours": [8.5, 9.1], "against": [9.5, 10.4]}
+    assert first_update.compare(procs) == {"ours": [8.5, 9.1], "against": [10.4]}
+    res = {"device": "cpu", "torch": "x", "command": "c", "processes": procs, "against": ["runtime.precompile=false"]}
+    md = first_update.markdown({**res, "cold": True})
+    assert "| first-1 (unsampled) | 9.0 | 8.5 | policy0_published 6.0, precompile_s 6.2, warmup_s 6.4 |" in md
+    assert "every process on empty compile caches of its own (--cold)" in md
+    assert "- ours: 8.800 s over 2 (8.500, 9.100)" in md and "- against: 9.950 s over 2 (9.500, 10.400)" in md
+    assert "- against: 10.400 s over 1 (10.400)" in first_update.markdown(res)

@@ -140,17 +140,18 @@ def compare(processes: list[dict], cold: bool = False) -> dict[str, list[float]]
 def markdown(res: dict) -> str:
     lines = [f"# First update, piece by piece ({res['device']}, torch {res['torch']})", "",
              f"Command: `{res['command']}`", "",
-             "| process | wall s | first update s | construction pieces (s since the session opened) |", "|---|---|---|---|"]
+             "| process | wall s | first update s | construction pieces (s since the session opened) "
+             "| warm-up (s since it started, just before `prepared`) |", "|---|---|---|---|---|"]
     for p in res["processes"]:
         lines.append(f"| {p['name']} ({p.get('sampler', 'unsampled')}) | {p['process_wall_s']} | {p['first_update_s']} | "
-                     f"{systems.pieces({**(p.get('startup_s') or {}), **p.get('warmup', {})})} |")
+                     f"{systems.pieces(p.get('startup_s') or {})} | {systems.pieces(p.get('warmup') or {})} |")
     if res.get("against"):
         which = ("every process on empty compile caches of its own (--cold), median:" if res.get("cold") else
                  "first update without the first process of all (cold caches), median over the rest:")
         lines += ["", f"Against `{' '.join(res['against'])}` (the `against-N` processes), {which}", ""]
         for name, vals in compare(res["processes"], res.get("cold", False)).items():
             lines.append(f"- {name}: {statistics.median(vals):.3f} s over {len(vals)} ({', '.join(f'{v:.3f}' for v in vals)})"
-                         if vals else f"- {name}: no warm process")
+                         if vals else f"- {name}: no process to compare")
     for p in res["processes"]:
         if "profile" not in p:
             continue

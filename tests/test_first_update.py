@@ -33,7 +33,7 @@ def test_summary_charges_each_function_once_per_stack_and_merges_lines(tmp_path)
     md = first_update.markdown({"device": "cpu", "torch": "x", "command": "c", "processes": [
         {"name": "first-1", "sampler": "py-spy --nonblocking", "process_wall_s": 3.0, "first_update_s": 2.0,
          "startup_s": {"update_done": 2.0, "prepared": 0.1}, "profile": s}]})
-    assert "| first-1 (py-spy --nonblocking) | 3.0 | 2.0 | prepared 0.1, update_done 2.0 |" in md
+    assert "| first-1 (py-spy --nonblocking) | 3.0 | 2.0 | prepared 0.1, update_done 2.0 |  |" in md
     assert "| 1.5 | `<module> (sklearn/__init__.py)` |" in md
     gz = tmp_path / "first.pyspy.gz"  # as the driver keeps it
     gz.write_bytes(gzip.compress(RAW.encode()))
@@ -47,7 +47,7 @@ def test_summary_charges_each_function_once_per_stack_and_merges_lines(tmp_path)
 def test_cold_sets_compare_every_process_and_show_the_warmup_record():
     """--cold: every process ran on empty compile caches, so none is left out of the comparison
     (without it the first process of all is: its caches were the machine's cold ones); the
-    warm-up's and the precompiling children's records sit among the construction pieces."""
+    warm-up's and the precompiling children's records are shown beside the construction pieces."""
     procs = [{"name": n, "process_wall_s": 9.0, "first_update_s": t, "startup_s": {"policy0_published": 6.0},
               "warmup": w} for n, t, w in (("against-1", 9.5, {"warmup_s": 7.5}),
                                             ("first-1", 8.5, {"precompile_s": 6.2, "warmup_s": 6.4}),
@@ -57,7 +57,8 @@ def test_cold_sets_compare_every_process_and_show_the_warmup_record():
     assert first_update.compare(procs) == {"ours": [8.5, 9.1], "against": [10.4]}
     res = {"device": "cpu", "torch": "x", "command": "c", "processes": procs, "against": ["runtime.precompile=false"]}
     md = first_update.markdown({**res, "cold": True})
-    assert "| first-1 (unsampled) | 9.0 | 8.5 | policy0_published 6.0, precompile_s 6.2, warmup_s 6.4 |" in md
+    # (the warm-up's seconds count from its start, not the session's opening: a column of their own)
+    assert "| first-1 (unsampled) | 9.0 | 8.5 | policy0_published 6.0 | precompile_s 6.2, warmup_s 6.4 |" in md
     assert "every process on empty compile caches of its own (--cold)" in md
     assert "- ours: 8.800 s over 2 (8.500, 9.100)" in md and "- against: 9.950 s over 2 (9.500, 10.400)" in md
     assert "- against: 10.400 s over 1 (10.400)" in first_update.markdown(res)

@@ -40,10 +40,12 @@ def test_its_work_draws_no_random_numbers_at_any_architecture_it_meets():
     assert torch.equal(torch.random.get_rng_state(), before)
 
 
-def test_nothing_starts_off_cuda(tmp_path):
+def test_nothing_starts_off_cuda(tmp_path, monkeypatch):
+    spawned = []
+    monkeypatch.setattr(warmup, "_spawn", lambda spec: spawned.append(spec))  # (a child is only reported once joined)
     warmup.start(tmp_path / "config.json", tmp_path / "config.json", rows=2, prompt=16, new=4, length=32, rank=4,
                  sampling=(1.0, 1.0, False), min_new=0, dtype=torch.float32, device=CPU, compiled=True, precompile=True)
-    assert warmup._RUNNING == [] and warmup.report() == {}  # (nor a child: it would report)
+    assert warmup._RUNNING == [] and warmup.report() == {} and spawned == []
     warmup.wait()  # nothing to join
 
 

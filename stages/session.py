@@ -242,6 +242,11 @@ class Session:
         self._engine = None
         return False
 
+    def premerge(self) -> bool:
+        """The next rollout samples the student's current policy: under memory.merge_in_place (CUDA)
+        its merge is enqueued now, while the host publishes (sampler.Engine.premerge)."""
+        return bool(self._engine) and self._engine.premerge()
+
     def engine(self):
         """The rollout engine for the student's current policy (None: transformers fallback)."""
         if self._engine is None:

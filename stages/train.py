@@ -175,6 +175,9 @@ def run(sess: Session) -> dict:
                 sess.mark("score_done")
                 update.run(sess, k)
                 sess.mark("update_done")
+                if k < cfg.train.updates and not sess.store.path("rollout", sess.rollout_digest(k + 1)).exists():
+                    sess.premerge()  # the next rollout samples policy k (memory.merge_in_place: merged now;
+                    # whatever reads the weights first instead undoes it, decoder.base_ready)
                 if k == 1:  # construction (model loads, graph capture) + the first update
                     sess.timings["first_update_s"] = round(time.perf_counter() - sess.t0, 4)
                     # and as the user waits for it: from the process's start (interpreter, imports, CLI)

@@ -290,10 +290,14 @@ def test_gpu_swap_and_shared_publish_what_resident_does(work):
 
 
 @pytest.mark.gpu
-def test_gpu_merge_in_place_publishes_what_resident_does(work):
+def test_gpu_merge_in_place_publishes_what_resident_does(work, monkeypatch):
     # CUDA: the merge is a replayed graph and the copy back runs on a side stream, overlapping the
-    # score; the update's forward waits for it on the device (decoder.base_ready)
+    # score; the update's forward waits for it on the device (decoder.base_ready); from the second
+    # rollout on the merge is enqueued right after the previous update (sampler.Engine.premerge)
+    premerged, premerge = [], sampler.Engine.premerge
+    monkeypatch.setattr(sampler.Engine, "premerge", lambda self: premerged.append(premerge(self)) or premerged[-1])
     base = models.base_of(_with_and_without_merge_in_place(work, "runtime.device=cuda").student())
+    assert premerged == [False, True], premerged  # (the copy's engine merges nothing ahead; in place, step 2's)
     torch.cuda.synchronize()  # the student's base is pristine after the last rollout's copy back
     assert torch.equal(base.__dict__["_opd_flat"].cpu(), base.__dict__["_opd_pristine"])
 
@@ -363,6 +367,30 @@ def test_in_place_engine_samples_what_the_copy_samples_and_restores_the_base():
     a, b = copy_eng.generate(PROMPTS, 7, **kw), own.generate(PROMPTS, 7, **kw)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
     assert torch.equal(base.__dict__["_opd_flat"], before)
+
+
+def test_a_merge_enqueued_ahead_is_undone_before_anything_else_reads_the_base():
+    """sampler.Engine.premerge leaves the LoRA merged into the base until the next generate; a forward
+    (decoder.base_ready) or a new adapter (Engine.refresh) reaching the weights first gets the pristine
+    base back. (The CPU engine never merges ahead: it is rebuilt per policy, and premerge is a replay
+    of the captured merge.)"""
+    from engine_models import tiny, with_trained_lora
+    from stages.blocks import decoder
+
+    fused = tiny()
+    decoder.fuse_projections(fused)
+    fused = with_trained_lora(fused)
+    base = models.base_of(fused)
+    flat, pristine = base.__dict__["_opd_flat"], base.__dict__["_opd_pristine"]
+    own = sampler.make(fused, False)
+    assert own.premerge() is False and "_opd_merged" not in base.__dict__
+    for undo in (lambda: decoder.base_ready(fused), own.refresh):
+        with torch.no_grad():
+            own._merge(base)  # what premerge's replay computes
+        base.__dict__["_opd_merged"] = True
+        assert not torch.equal(flat, pristine)
+        undo()
+        assert torch.equal(flat, pristine) and "_opd_merged" not in base.__dict__
 
 
 def test_merge_in_place_run_publishes_what_the_copy_does(work):

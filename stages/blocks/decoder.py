@@ -99,11 +99,34 @@ def is_fused(model) -> bool:
 
 
 def base_ready(model) -> None:
-    """Before a forward reads the student's base weights: wait (on the device, the host goes on) for
-    the copy back of the pristine weights after an in-place merged rollout (sampler.Engine)."""
-    ev = models.base_of(model).__dict__.get("_opd_restored")
+    """Before a forward reads the student's base weights: pristine. A merge enqueued ahead of the next
+    rollout (sampler.Engine.premerge) that something else reaches first is undone in the current
+    stream's order; the copy back after an in-place merged rollout is waited for on the device (the
+    host goes on)."""
+    base = models.base_of(model)
+    if base.__dict__.pop("_opd_merged", False):
+        restore(model)
+    ev = base.__dict__.get("_opd_restored")
     if ev is not None:
         torch.cuda.current_stream().wait_event(ev)
+
+
+@torch.no_grad()
+def restore(model, side: torch.cuda.Stream | None = None) -> None:
+    """The student's base weights back from their pristine host copy (`fuse_projections`): in the
+    current stream's order, or (CUDA) on stream `side` without blocking, the event `base_ready` waits
+    for recorded after it."""
+    base = models.base_of(model)
+    flat, pristine = base.__dict__["_opd_flat"], base.__dict__["_opd_pristine"]
+    if side is None or flat.device.type != "cuda":
+        flat.copy_(pristine)
+        return
+    side.wait_stream(torch.cuda.current_stream())  # after the last read of the merged weights
+    with torch.cuda.stream(side):
+        flat.copy_(pristine, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+    base.__dict__["_opd_restored"] = ev
 
 
 @torch.no_grad()

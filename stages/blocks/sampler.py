@@ -75,8 +75,11 @@ class Engine:
             self.refresh()  # the weights as every later version gets them: from the captured merge
 
     def refresh(self, model=None) -> None:
-        """New policy version. In place there is nothing to do now: each generate merges."""
-        if not self.in_place:
+        """New policy version. In place there is nothing to do now (each generate merges, or `premerge`
+        ahead of it) but undo a merge of the previous version enqueued ahead."""
+        if self.in_place:
+            decoder.base_ready(self.model)
+        else:
             self._remerge(model)
 
     @torch.no_grad()
@@ -121,31 +124,41 @@ class Engine:
                 del merged
 
     @torch.no_grad()
+    def premerge(self) -> bool:
+        """In place, CUDA: the current policy's merge into the student's weights enqueued now, where the
+        GPU would idle while the host publishes the update, instead of at the start of the next
+        rollout (generate then samples at once). A replay of the captured merge only (a first merge,
+        or one at new addresses, captures and is left to generate). Anything else that reads the
+        base first undoes it (decoder.base_ready), as does a new adapter (`refresh`). True when it
+        was enqueued."""
+        base = models.base_of(self.model)
+        if not (self.in_place and self.use_graphs) or self._refresh is None or base.__dict__.get("_opd_merged") \
+                or self._refresh[0] != graphs.params_at(base):
+            return False
+        decoder.base_ready(self.model)  # (the last rollout's copy back, on the device)
+        self._refresh[1].replay()
+        base.__dict__["_opd_merged"] = True
+        return True
+
     def _restore(self, blocking: bool = False) -> None:
         """In place, after a rollout: the student's base weights back from their pristine host copy.
         On CUDA on a side stream, without blocking: the teacher's scoring overlaps the copy, and the
         student's next forward (or merge) waits for it on the device (decoder.base_ready).
         blocking: in the current stream's order (CPU always)."""
-        base = models.base_of(self.model)
-        flat, pristine = base.__dict__["_opd_flat"], base.__dict__["_opd_pristine"]
-        if flat.device.type != "cuda" or blocking:
-            flat.copy_(pristine)
-            return
-        self._side = self._side or torch.cuda.Stream(flat.device)
-        self._side.wait_stream(torch.cuda.current_stream())  # after the rollout's last read of them
-        with torch.cuda.stream(self._side):
-            flat.copy_(pristine, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-        base.__dict__["_opd_restored"] = ev
+        if blocking or self.device.type != "cuda":
+            return decoder.restore(self.model)
+        self._side = self._side or torch.cuda.Stream(self.device)
+        decoder.restore(self.model, self._side)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new: int, **kw) -> Rollout:
         if not self.in_place:
             return self._generate(prompts, max_new, **kw)
-        decoder.base_ready(self.model)  # the previous rollout's copy back has landed
+        premerged = models.base_of(self.model).__dict__.pop("_opd_merged", False)  # (`premerge`)
         try:  # (a merge that fails partway is undone too)
-            self._remerge()
+            if not premerged:
+                decoder.base_ready(self.model)  # the previous rollout's copy back has landed
+                self._remerge()
             return self._generate(prompts, max_new, **kw)
         finally:
             self._restore()
@@ -186,10 +199,7 @@ class Engine:
         return prefill(self.W, inp, how)
 
     def _step(self, st: dict, how: tuple) -> None:
-        step(self.W, st, how, self._decode_layer(st["tok"].shape[0]))
-
-    def _decode_layer(self, rows: int):
-        return decode_layer(self.W, rows, self.compile)
+        step(self.W, st, how, decode_layer(self.W, st["tok"].shape[0], self.compile))
 
     def _graphed(self, inp: dict, how: tuple):
         """This call's inputs into the captured graphs' static buffers, the prefill replayed: (the
@@ -277,7 +287,7 @@ def prefill(W: dict, inp: dict, how: tuple) -> dict:
 
 def step(W: dict, st: dict, how: tuple, layer) -> None:
     """One decode step: the next token of every sequence, written into the state in place.
-    layer: the decoder layer to run (Engine._decode_layer's choice)."""
+    layer: the decoder layer to run (`decode_layer`'s choice)."""
     max_new, temperature, top_p, greedy, min_new, eos, pad = how
     B = st["tok"].shape[0]
     slot, k = st["slot"], st["step"]

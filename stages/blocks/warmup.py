@@ -59,14 +59,17 @@ def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, len
     rollout's batch; prompt: its padded prompt length; new: new tokens; length: the teacher-forced
     forwards' padded length; rank: the LoRA's r; sampling: (temperature, top_p, greedy); min_new: the
     rollout's min_new_tokens (the draw's EOS block is compiled in or not); compiled: the engine's
-    decode kernels; precompile: compile the engine's Triton kernels in child processes first (`_child`)."""
+    decode kernels; precompile: compile the engine's Triton kernels in child processes first (`parts`,
+    `_child`)."""
     if device.type != "cuda" or _RUNNING:
         return
     spec = {"config": str(student), "rows": rows, "prompt": prompt, "new": new, "sampling": list(sampling),
             "min_new": min_new, "dtype": str(dtype).removeprefix("torch."), "compiled": compiled,
             "device": device.index if device.index is not None else torch.cuda.current_device()}
-    parts = PARTS if compiled else ("draw",)  # (the eager decode step launches no Triton kernel but the draw's)
-    children = [_spawn({**spec, "part": part}) for part in parts] if precompile and kernels.triton is not None else []
+    which = parts(compiled, sampling, cpus()) if precompile and kernels.triton is not None else ()
+    children = [_spawn({**spec, "part": part}) for part in which]
+    if which:
+        _RESULT["precompile_parts"] = list(which)
 
     def run() -> None:
         t = time.perf_counter()
@@ -76,7 +79,7 @@ def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, len
                 _teacher_forced(dt, rows, length, 0, dtype, device, train=False)
                 _teacher_forced(ds, rows, length, rank, dtype, device, train=True)
                 _join_children(children)  # (their compilations in Triton's cache: the sample below loads them)
-                _sample(ds, rows, prompt, new, sampling, min_new, dtype, device,
+                _sample(_weights(ds, dtype, device), rows, prompt, new, sampling, min_new,
                         decoder.fused_layer if compiled else decoder.layer)
                 torch.cuda.current_stream().synchronize()
             _RESULT["warmup_s"] = round(time.perf_counter() - t, 4)
@@ -110,15 +113,36 @@ def report() -> dict:
     """What the process's warm-up recorded: {"warmup_s": seconds} or {"warmup_error": "..."} ({} if none
     ran), with its children's {"precompile_s": seconds from their start until the thread, its
     teacher-forced calls done, found them all finished (an upper bound)} or {"precompile_error":
-    "..."} where they ran."""
+    "..."} and {"precompile_parts": [what they compiled, `parts`]} where they ran."""
     return dict(_RESULT)
 
 
-CHILD_TIMEOUT_S = 300  # a child still compiling after this is killed; the run compiles what is left in line
-# What each child compiles (`_child`): the draw's two kernels, and the decode step's with the draw
-# off; disjoint, so the two compile side by side. (One child for both was found done 9.7-10.3 s after
-# it started, on cold caches on the H200, ~5 s of it compiling: the engine's capture waited for it.)
-PARTS = ("draw", "step")
+CHILD_TIMEOUT_S = 300  # children still compiling this long after the thread starts waiting are killed (the
+# run compiles what is left in line)
+
+
+def parts(compiled: bool, sampling: tuple, cores: int) -> tuple[str, ...]:
+    """What the precompiling children compile, one child per part (`_child`): "draw", the draw's two
+    kernels (plain sampling only: greedy and top-p take torch's passes, draw.usable); "step", the
+    decode step's kernels with the draw off (runtime.compile; the eager step launches no Triton
+    kernel). Disjoint, so they compile side by side: one child for both was found done 9.7-10.3 s
+    after it started, on cold caches on the H200, ~5 s of it compiling, and the engine's capture
+    waited for it. A child needs a core of its own beside the main thread's, or it slows the imports
+    it was meant to overlap: with fewer cores than parts + 1 the parts share one child ("all"),
+    with one core no child starts (the thread compiles them, as with runtime.precompile=false)."""
+    temperature, top_p, greedy = sampling
+    want = tuple(p for p, needed in (("draw", not greedy and top_p >= 1.0), ("step", compiled)) if needed)
+    if cores >= len(want) + 1:
+        return want
+    return ("all",) if want and cores >= 2 else ()
+
+
+def cpus() -> int:
+    """The cores this process may run on (its affinity mask, as a container or taskset limits it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on Linux)
+        return os.cpu_count() or 1
 
 
 def _spawn(spec: dict) -> subprocess.Popen | None:
@@ -142,12 +166,12 @@ def _spawn(spec: dict) -> subprocess.Popen | None:
 def _join_children(procs: list) -> None:
     """Wait for the children (the interpreter is free meanwhile) and record how it went: the first
     failure's last line, else the seconds from their start until this found them all finished."""
-    errors = []
+    errors, deadline = [], time.perf_counter() + CHILD_TIMEOUT_S  # (one deadline for all of them)
     for proc in procs:
         if proc is None:  # (could not be started: _spawn recorded why)
             continue
         try:
-            _, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
+            _, err = proc.communicate(timeout=max(0.0, deadline - time.perf_counter()))
         except subprocess.TimeoutExpired:
             proc.kill()
             _, err = proc.communicate()
@@ -162,11 +186,11 @@ def _join_children(procs: list) -> None:
 
 def _child(spec: dict) -> None:
     """In a child: the engine's prefill and decode step at the run's shapes, one layer of constant
-    weights. part "draw": through the eager layer (no Triton kernel but the draw's); part "step":
-    with the draw's kernels off (draw.ON, this process's own) and the layer the engine will take
-    (sampler.decode_layer: the Triton kernels, or the compiled layer past kernels.MAX_ROWS rows,
-    Inductor's cache then filled too). What it compiles lands in the on-disk caches the parent
-    reads; nothing else is kept."""
+    weights (`parts`). part "draw": through the eager layer (no Triton kernel but the draw's); part
+    "step": with the draw's kernels off (draw.ON, this process's own) and the layer the engine will
+    take (sampler.decode_layer: the Triton kernels, or the compiled layer past kernels.MAX_ROWS rows,
+    Inductor's cache then filled too); part "all": that layer with the draw on. What it compiles
+    lands in the on-disk caches the parent reads; nothing else is kept."""
     d, dtype = dims(Path(spec["config"])), getattr(torch, spec["dtype"])
     device = torch.device("cuda", spec["device"])
     torch.cuda.set_device(device)
@@ -174,8 +198,7 @@ def _child(spec: dict) -> None:
     if spec["part"] == "step":
         draw.ON = False
     layer = decoder.layer if spec["part"] == "draw" else sampler.decode_layer(W, spec["rows"], spec["compiled"])
-    _sample(d, spec["rows"], spec["prompt"], spec["new"], tuple(spec["sampling"]), spec["min_new"], dtype, device,
-            layer, W)
+    _sample(W, spec["rows"], spec["prompt"], spec["new"], tuple(spec["sampling"]), spec["min_new"], layer)
     torch.cuda.synchronize(device)
 
 
@@ -198,10 +221,11 @@ def _weights(d: dict, dtype, device) -> dict:
 
 
 @torch.no_grad()
-def _sample(d, B, P, N, sampling, min_new, dtype, device, layer, W=None) -> None:
-    """The engine's prefill and one decode step (sampler.prefill / sampler.step) through `layer`,
-    the EOS blocked as min_new blocks it (the draw's kernels differ with and without)."""
-    W = W or _weights(d, dtype, device)
+def _sample(W, B, P, N, sampling, min_new, layer) -> None:
+    """The engine's prefill and one decode step (sampler.prefill / sampler.step) over sampling weights
+    W (`_weights`) through `layer`, the EOS blocked as min_new blocks it (the draw's kernels differ
+    with and without)."""
+    device = W["embed"].device
     temperature, top_p, greedy = sampling
     inp = {"ids": torch.zeros(B, P, dtype=torch.long, device=device),
            "pad_len": torch.arange(B, device=device) % P, "u": _full((max(N, 2), B), 0.5, torch.float32, device)}

@@ -4,6 +4,10 @@ off CUDA nothing starts. Its GPU effect (the same bytes with it on or off) is te
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import torch
 
@@ -30,11 +34,12 @@ def test_dims_read_a_config_json(tmp_path):
 def test_its_work_draws_no_random_numbers_at_any_architecture_it_meets():
     before = torch.random.get_rng_state()
     for d in (LLAMA, {**LLAMA, "qk_norm": True}, {**LLAMA, "bias": True}):
+        W = warmup._weights(d, torch.float32, CPU)
         for layer in (decoder.layer, decoder.fused_layer):  # (fused_layer falls back to the eager layer off CUDA)
             for min_new in (0, 4):  # (the EOS blocked or not)
-                warmup._sample(d, 3, 16, 4, (1.0, 1.0, False), min_new, torch.float32, CPU, layer)
-        warmup._sample(d, 3, 16, 4, (0.7, 0.9, False), 0, torch.float32, CPU, decoder.layer)  # top-p's passes
-        warmup._sample(d, 3, 16, 4, (1.0, 1.0, True), 0, torch.float32, CPU, decoder.layer)  # greedy
+                warmup._sample(W, 3, 16, 4, (1.0, 1.0, False), min_new, layer)
+        warmup._sample(W, 3, 16, 4, (0.7, 0.9, False), 0, decoder.layer)  # top-p's passes
+        warmup._sample(W, 3, 16, 4, (1.0, 1.0, True), 0, decoder.layer)  # greedy
         warmup._teacher_forced(d, 3, 32, 0, torch.float32, CPU, train=False)
         warmup._teacher_forced(d, 3, 32, 4, torch.float32, CPU, train=True)
     assert torch.equal(torch.random.get_rng_state(), before)
@@ -57,7 +62,36 @@ def test_a_failing_child_is_reported_in_one_line_not_raised(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     spec = {"config": str(tmp_path / "missing.json"), "rows": 2, "prompt": 16, "new": 4, "sampling": [1.0, 1.0, False],
             "min_new": 0, "dtype": "bfloat16", "compiled": True, "device": 0}
-    warmup._join_children([warmup._spawn({**spec, "part": part}) for part in warmup.PARTS])
+    warmup._join_children([warmup._spawn({**spec, "part": part}) for part in ("draw", "step")])
     err = warmup.report()["precompile_error"]
     assert "precompile_s" not in warmup.report() and "\n" not in err and len(err) <= 200
     assert err.startswith("FileNotFoundError") and "missing.json" in err, err  # (not "No module named stages")
+
+
+def test_children_compile_only_what_the_engine_launches_one_core_each():
+    plain, top_p, greedy = (1.0, 1.0, False), (1.0, 0.9, False), (0.7, 1.0, True)
+    assert warmup.parts(True, plain, 16) == ("draw", "step")
+    assert warmup.parts(False, plain, 16) == ("draw",)  # (the eager step launches no Triton kernel)
+    assert warmup.parts(True, top_p, 16) == warmup.parts(True, greedy, 16) == ("step",)  # (torch's passes draw)
+    assert warmup.parts(False, greedy, 16) == ()  # nothing to compile
+    # a core for the main thread besides each child, else the parts share one child, or none starts
+    assert warmup.parts(True, plain, 3) == ("draw", "step")
+    assert warmup.parts(True, plain, 2) == ("all",) and warmup.parts(True, top_p, 2) == ("step",)
+    assert warmup.parts(True, plain, 1) == () == warmup.parts(False, plain, 1)
+    assert 1 <= warmup.cpus() <= (os.cpu_count() or 1)
+
+
+def test_children_share_one_deadline(monkeypatch):
+    """Each child waits only for what is left of one CHILD_TIMEOUT_S: two stuck children cost it
+    once, not twice, and both are killed and reported."""
+    monkeypatch.setattr(warmup, "_RESULT", {})
+    monkeypatch.setattr(warmup, "CHILD_TIMEOUT_S", 2.0)
+    slow = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    for p in slow:
+        p.started = time.perf_counter()
+    t = time.perf_counter()
+    warmup._join_children(slow)
+    assert time.perf_counter() - t < 3.5  # one deadline (a deadline each: >= 4 s)
+    assert all(p.returncode is not None for p in slow)
+    assert warmup.report()["precompile_error"] == "TimeoutExpired: still compiling after 2.0 s"

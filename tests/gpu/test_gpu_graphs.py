@@ -123,3 +123,41 @@ def test_in_place_engine_restores_the_base_before_the_next_forward_reads_it():
     base = models.base_of(m)
     torch.cuda.synchronize()
     assert torch.equal(base.__dict__["_opd_flat"].cpu(), base.__dict__["_opd_pristine"])
+
+
+def test_a_merge_enqueued_ahead_samples_what_a_merge_at_generate_does():
+    """sampler.Engine.premerge (memory.merge_in_place, right after an update): the captured merge
+    replayed ahead of the next generate, which then samples the same tokens and log-probs as one that
+    merges itself; a forward or a new adapter that reaches the weights first gets the pristine base
+    (decoder.base_ready, Engine.refresh), and the base is pristine after every rollout."""
+    from stages.blocks import decoder
+
+    torch.manual_seed(0)
+    m = tiny("smollm2-360m", initializer_range=0.02).to("cuda", torch.bfloat16)
+    decoder.fuse_projections(m)
+    m = with_trained_lora(m, scale=0.02)
+    base = models.base_of(m)
+    base.__dict__["_opd_use_graphs"] = False
+    prompts, kw, p = [[1, 5, 6, 7]] * 4, dict(eos=-1, pad=PAD, seed=1), _batch(0)
+    with torch.no_grad():
+        ref_h = lmhead.hidden(m, p)
+    eng = sampler.Engine(m, use_graphs=True)
+    assert not eng.premerge()  # nothing captured yet: the first generate captures the merge
+    ref = eng.generate(prompts, 8, **kw)
+    assert eng.premerge() and not eng.premerge()  # (once: already merged)
+    got = eng.generate(prompts, 8, **kw)
+    assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.logprobs, ref.logprobs)
+    assert eng.premerge()
+    with torch.no_grad():
+        assert torch.equal(lmhead.hidden(m, p), ref_h)  # undone before the forward read the weights
+    assert eng.premerge()
+    with torch.no_grad():  # a new policy version in the same buffers, as an optimizer step leaves it
+        for n, q in m.named_parameters():
+            if "lora_B" in n:
+                q.add_(0.01)
+    eng.refresh()
+    new = eng.generate(prompts, 8, **kw)  # merges the new version (the stale merge was undone)
+    again = eng.generate(prompts, 8, **kw)
+    assert torch.equal(new.logprobs, again.logprobs) and not torch.equal(new.logprobs, ref.logprobs)
+    torch.cuda.synchronize()
+    assert torch.equal(base.__dict__["_opd_flat"].cpu(), base.__dict__["_opd_pristine"])

@@ -51,3 +51,55 @@ def test_a_damaged_config_json_is_recomputed_before_the_warmup_reads_it(tmp_path
     assert sum("config.json: content hash mismatch" in ln for ln in r.stderr.splitlines()) == 2, r.stderr
     entries = {e for e in published(good / "artifacts") if e.split("/")[0] in ("init", "rollout", "score", "update")}
     assert entry_differences(bad / "artifacts", good / "artifacts", entries) == []
+
+
+CHILDREN_THEN_ENGINE = r"""
+import json, os, sys
+from pathlib import Path
+import torch
+from engine_models import EOS, PAD, tiny, with_trained_lora
+from stages.blocks import sampler, warmup
+
+out, children = Path(sys.argv[1]), sys.argv[2] == "children"
+cache = Path(os.environ["TRITON_CACHE_DIR"])
+m = tiny("smollm2-360m", num_hidden_layers=2, initializer_range=0.02).to("cuda", torch.bfloat16)
+m.config.to_json_file(out / "config.json")
+sampling, min_new = (1.0, 1.0, False), 8
+if children:  # the run's precompiling children at the engine's shapes (Session -> train.warm_up -> warmup.start)
+    spec = {"config": str(out / "config.json"), "rows": 4, "prompt": 16, "new": 8, "sampling": list(sampling),
+            "min_new": min_new, "dtype": "bfloat16", "compiled": True, "device": 0}
+    warmup._join_children([warmup._spawn({**spec, "part": p}) for p in warmup.parts(True, sampling, 16)])
+    assert "precompile_error" not in warmup.report(), warmup.report()
+before = sorted(p.name for p in cache.iterdir())
+eng = sampler.Engine(with_trained_lora(m, scale=0.02), use_graphs=True, compile=True)
+eng.generate([[1, 5, 6, 7]] * 4, 8, eos=EOS, pad=PAD, seed=0, min_new=min_new)
+print(json.dumps({"before": before, "after": sorted(p.name for p in cache.iterdir())}))
+"""
+
+
+def test_the_children_compile_every_triton_kernel_the_engine_launches(tmp_path):
+    """runtime.precompile: after the children ran, the engine's first rollout (prefill, captured decode
+    step, draw) finds every Triton kernel and launcher it needs in the on-disk cache: the main process
+    adds no entry to an otherwise fresh TRITON_CACHE_DIR. Without the children the same rollout adds
+    entries (it does launch Triton kernels: the check is not vacuous). Fresh processes, so no kernel
+    is in any in-memory cache."""
+    import os
+    import subprocess
+    import sys
+
+    from support import ROOT
+
+    seen = {}
+    for how in ("children", "none"):
+        d = tmp_path / how
+        (d / "triton").mkdir(parents=True)
+        env = {**os.environ, "TRITON_CACHE_DIR": str(d / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"),
+               "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+        r = subprocess.run([sys.executable, "-c", CHILDREN_THEN_ENGINE, str(d), how], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=400)
+        assert r.returncode == 0, r.stderr[-3000:]
+        seen[how] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen["children"]["before"] and seen["children"]["after"] == seen["children"]["before"], seen["children"]
+    assert seen["none"]["before"] == [] and seen["none"]["after"], seen["none"]
+    # what the children left is what the engine alone compiles (the same kernels, the same launchers)
+    assert set(seen["none"]["after"]) <= set(seen["children"]["before"]), seen

@@ -103,9 +103,9 @@ class Session:
         return self._teacher
 
     def forward_length(self) -> int:
-        """CUDA: the padded length of every teacher-forced forward (stages/blocks/graphs.py): the
-        run's longest prompt + response, so a run replays one graph per batch size. Longer inputs
-        (multi-turn episodes, evaluation's longer answers) pad to their own multiple of the bucket."""
+        """CUDA: the padded length of every teacher-forced forward (stages/blocks/graphs.py): the run's longest
+        prompt + response, so a run replays one graph per batch size. Longer inputs (multi-turn episodes,
+        evaluation's longer answers) pad to their own multiple of the bucket."""
         return graphs.bucket(self.cfg.data.max_prompt_tokens + self.cfg.rollout.max_new_tokens)
 
     def _graph_forwards(self, model, role: str) -> None:
@@ -115,8 +115,8 @@ class Session:
         base.__dict__["_opd_before_capture"] = self.before_capture  # (graphs.hidden: as the engine's)
 
     def before_capture(self) -> None:
-        """Before a CUDA graph capture: no other thread's device work (warm-up, a publish's sync, the
-        teacher's load ahead) meanwhile."""
+        """Before a CUDA graph capture: no other thread's device work meanwhile (warm-up, a publish's sync, the
+        teacher's load ahead)."""
         warmup.wait()
         self.store.flush()
         self._ahead.join("teacher")
@@ -129,8 +129,8 @@ class Session:
             self._tok = ahead.tokenizer(self.model_dir("student"))
         return self._tok
 
-    def loaded_ahead(self) -> list[str] | None:
-        return list(self._ahead.taken) if self._ahead else None  # (None: load_ahead never started)
+    def loaded_ahead(self) -> list[str] | None:  # (None: load_ahead never started)
+        return list(self._ahead.taken) if self._ahead else None
 
     def load_ahead(self) -> None:
         """Read what the first step waits for on a worker thread once the student's weights are in
@@ -139,11 +139,10 @@ class Session:
 
     # ---- the tables the loop hands on (rollout -> score -> update) ----
     def table(self, stage: str, dig: str, name: str, required: dict | None = None):
-        """The pa.Table in `name` of the published (stage, dig): the one this process produced or read
-        last for that stage, else read from the store (joining its publish if one is in flight). A
-        step's rollout and scores go on to score and update from memory while their files are still
-        being written and sealed on the publish thread; the file holds the same table (published
-        files never change, so a table once read stays valid)."""
+        """The pa.Table in `name` of the published (stage, dig): the one this process produced or read last
+        for that stage, else read from the store (joining its publish if one is in flight). A step's rollout
+        and scores go on to score and update from memory while their files are still being written and
+        sealed on the publish thread; the file holds the same table (published files never change)."""
         held = self._tables.get(stage)
         d = self.store.path(stage, dig)
         if held is not None and held[:2] == (dig, name):
@@ -242,9 +241,7 @@ class Session:
         self._engine = None
         return False
 
-    def premerge(self) -> bool:
-        """The next rollout samples the student's current policy: under memory.merge_in_place (CUDA)
-        its merge is enqueued now, while the host publishes (sampler.Engine.premerge)."""
+    def premerge(self) -> bool:  # the next rollout samples the current policy: merged now (sampler.Engine)
         return bool(self._engine) and self._engine.premerge()
 
     def engine(self):
@@ -293,9 +290,8 @@ class Session:
         return self.device.type == "cuda" and self.cfg.rollout.cuda_graphs and self.cfg.runtime.compile
 
     def compiled_layers(self, mcfg) -> bool:
-        """A model's decoder layers run compiled (the student's in training, the teacher's scoring
-        forward): CUDA with runtime.compile_layers, an unquantized model (bitsandbytes' layers are
-        not traced)."""
+        """A model's decoder layers run compiled (the student's in training, the teacher's scoring forward):
+        CUDA with runtime.compile_layers, an unquantized model (bitsandbytes' layers are not traced)."""
         return self.device.type == "cuda" and self.cfg.runtime.compile_layers and mcfg.quant == "none"
 
     def runtime_slice(self) -> dict:

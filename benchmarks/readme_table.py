@@ -140,7 +140,8 @@ def table(path: Path) -> str:
         la = lr["workloads"].get("a")
         if not la:
             continue
-        line = f"A later, partial run (`{later.relative_to(ROOT)}`, {lr['date']}): "
+        n = la.get("shape", {}).get("updates", 8)
+        line = f"A later, partial run (`{later.relative_to(ROOT)}`, {lr['date']}{f', {n} updates' if n != 8 else ''}): "
         for lo in (s for s in la.get("systems", []) if s["name"].startswith("opd-stages")):  # default and arms, by name
             if _ok(lo):
                 line += f"{lo['name']} {_figures(lo)}; "

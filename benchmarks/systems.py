@@ -166,6 +166,11 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile: Pat
         # the step outside the three phases (wall - phases), and the recorded pieces of it per stage
         # (inputs, Parquet, adapter/optimizer serialisation, the wait for the previous background publish)
         "median_outside_phases_s": median([w_ - u for w_, u in zip(walls[1:], update_total)]),
+        # every step's phases and the rest of its wall time, update 1 included: where a slow step's time went
+        "per_step_s": {"rollout": [s["rollout"]["wall_s"] for s in steps], "score": [s["score"]["wall_s"] for s in steps],
+                       "update": [s["policy"]["wall_s"] for s in steps],
+                       "outside": [round(w_ - s["rollout"]["wall_s"] - s["score"]["wall_s"] - s["policy"]["wall_s"], 4)
+                                   for w_, s in zip(walls, steps)]},
         "median_io_s": {f"{ph}.{key}": median([(s[ph].get("io_s") or {}).get(key) for s in steps[1:]])
                         for ph in ("rollout", "score", "policy")
                         for key in sorted({kk for s in steps for kk in (s[ph].get("io_s") or {})})},
@@ -441,6 +446,8 @@ def main(argv=None) -> int:
                          "eager (runtime.compile=false), ckpt (activation checkpointing), nf4 (NF4 student and "
                          "teacher; bitsandbytes), nf4teacher (NF4 teacher only), nf4teacher_ckpt (with activation checkpointing), "
                          "inplace_ckpt and inplace_nf4teacher_ckpt (those with memory.merge_in_place=true)")
+    ap.add_argument("--updates", type=int, default=0,
+                    help="workload a's updates for every system (0: the workload's, 8); the result's shape records it")
     ap.add_argument("--peer-updates", type=int, default=0,
                     help="updates for miniVERL's arms (0: the workload's); medians skip the first either way")
     ap.add_argument("--miniverl-arms", default=",".join(a for a, _, _ in MINIVERL_ARMS))
@@ -480,7 +487,7 @@ def main(argv=None) -> int:
     peers = [p for p in args.peers.split(",") if p]
     py = sys.executable
     if args.workload in ("a", "all"):
-        w = WORKLOAD_SMOKE if args.smoke else WORKLOAD_A
+        w = {**(WORKLOAD_SMOKE if args.smoke else WORKLOAD_A), **({"updates": args.updates} if args.updates else {})}
         tok = str(Path(args.tokenizer).resolve())
         seed = seed_store(w, work, tok)
         systems: list[dict] = []

@@ -36,7 +36,7 @@ def _committed_at(p: Path) -> float:
 def results() -> list[Path]:
     """Every systems result, oldest first: by the date in the name, then by when it was committed
     (names within one day do not sort by time: call1, call2, compile, systems, ...)."""
-    return sorted((ROOT / "benchmarks" / "results").glob("*-systems.json"), key=lambda p: (p.name[:10], _committed_at(p)))
+    return sorted((ROOT / "benchmarks" / "results").glob("*-systems.json"), key=lambda p: (p.name[:10], _committed_at(p), p.name))
 
 
 def latest() -> Path:

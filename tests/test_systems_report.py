@@ -29,3 +29,18 @@ def test_a_system_skipped_by_the_deadline_leaves_the_exit_code_zero_and_a_failur
     assert "not measured: miniVERL 0.16" in capsys.readouterr().err
     r["workloads"]["a"]["systems"][2] = {"name": "TRL 1.16 DistillationTrainer", "error": "CalledProcessError: 1"}
     assert systems.exit_code(r) == 1
+
+
+def test_each_steps_phases_and_the_rest_add_up_to_its_wall_time():
+    """per_step_s (systems.ours_pipeline): every step's three phases and the time outside them, from a
+    recorded H200 run of 24 updates (--updates), make up that step's wall time (to the rounding of
+    four figures), and the shape records the count the run was given."""
+    r = json.loads((ROOT / "benchmarks" / "results" / "2026-12-04-h200-10ce6a9-updates24-systems.json").read_text())
+    a = r["workloads"]["a"]
+    assert a["shape"]["updates"] == 24 and "--updates 24" in r["command"]
+    for s in a["systems"]:
+        per = s["per_step_s"]
+        assert all(len(v) == 24 for v in per.values()) and len(s["step_wall_s"]) == 24
+        for k, wall in enumerate(s["step_wall_s"]):
+            assert abs(sum(per[ph][k] for ph in ("rollout", "score", "update", "outside")) - wall) <= 2e-4, (s["name"], k)
+        assert abs(s["median_outside_phases_s"] - systems.median(per["outside"][1:])) <= 2e-4  # (update 1 left out)

@@ -137,6 +137,14 @@ def compare(processes: list[dict], cold: bool = False) -> dict[str, list[float]]
     return out
 
 
+def _warmup(w: dict) -> str:
+    """The warm-up's record: its seconds in the order they came, then what it names (the children's
+    parts, an error's line)."""
+    secs = {k: v for k, v in w.items() if isinstance(v, (int, float))}
+    named = [f"{k} {'+'.join(v) if isinstance(v, list) else v}" for k, v in w.items() if k not in secs]
+    return ", ".join(x for x in (systems.pieces(secs), *named) if x)
+
+
 def markdown(res: dict) -> str:
     lines = [f"# First update, piece by piece ({res['device']}, torch {res['torch']})", "",
              f"Command: `{res['command']}`", "",
@@ -144,7 +152,7 @@ def markdown(res: dict) -> str:
              "| warm-up (s since it started, just before `prepared`) |", "|---|---|---|---|---|"]
     for p in res["processes"]:
         lines.append(f"| {p['name']} ({p.get('sampler', 'unsampled')}) | {p['process_wall_s']} | {p['first_update_s']} | "
-                     f"{systems.pieces(p.get('startup_s') or {})} | {systems.pieces(p.get('warmup') or {})} |")
+                     f"{systems.pieces(p.get('startup_s') or {})} | {_warmup(p.get('warmup') or {})} |")
     if res.get("against"):
         which = ("every process on empty compile caches of its own (--cold), median:" if res.get("cold") else
                  "first update without the first process of all (cold caches), median over the rest:")

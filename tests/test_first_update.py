@@ -50,7 +50,8 @@ def test_cold_sets_compare_every_process_and_show_the_warmup_record():
     warm-up's and the precompiling children's records are shown beside the construction pieces."""
     procs = [{"name": n, "process_wall_s": 9.0, "first_update_s": t, "startup_s": {"policy0_published": 6.0},
               "warmup": w} for n, t, w in (("against-1", 9.5, {"warmup_s": 7.5}),
-                                            ("first-1", 8.5, {"precompile_s": 6.2, "warmup_s": 6.4}),
+                                            ("first-1", 8.5, {"precompile_parts": ["draw", "step"], "warmup_s": 6.4,
+                                                              "precompile_s": 6.2}),
                                             ("against-2", 10.4, {"warmup_s": 8.0}),
                                             ("first-2", 9.1, {"precompile_s": 6.9, "warmup_s": 7.0}))]
     assert first_update.compare(procs, cold=True) == {"ours": [8.5, 9.1], "against": [9.5, 10.4]}
@@ -58,7 +59,10 @@ def test_cold_sets_compare_every_process_and_show_the_warmup_record():
     res = {"device": "cpu", "torch": "x", "command": "c", "processes": procs, "against": ["runtime.precompile=false"]}
     md = first_update.markdown({**res, "cold": True})
     # (the warm-up's seconds count from its start, not the session's opening: a column of their own)
-    assert "| first-1 (unsampled) | 9.0 | 8.5 | policy0_published 6.0 | precompile_s 6.2, warmup_s 6.4 |" in md
+    assert "| first-1 (unsampled) | 9.0 | 8.5 | policy0_published 6.0 | precompile_s 6.2, warmup_s 6.4, " \
+        "precompile_parts draw+step |" in md  # (seconds in order, then what it names: warmup.report's list)
+    procs[0]["warmup"] = {"warmup_s": 7.5, "precompile_error": "TimeoutExpired: still compiling after 300 s"}
+    assert "| warmup_s 7.5, precompile_error TimeoutExpired: still compiling after 300 s |" in first_update.markdown(res)
     assert "every process on empty compile caches of its own (--cold)" in md
     assert "- ours: 8.800 s over 2 (8.500, 9.100)" in md and "- against: 9.950 s over 2 (9.500, 10.400)" in md
     assert "- against: 10.400 s over 1 (10.400)" in first_update.markdown(res)

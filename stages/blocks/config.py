@@ -162,8 +162,8 @@ class RuntimeCfg:
     # it (memory.vram_gib set: the warm-up and the teacher's read ahead are not started)
     warmup: bool = True
     # CUDA, with the warm-up: the rollout engine's Triton kernels (and, past kernels.MAX_ROWS rows, its
-    # compiled layer) compile in two child processes started as the run opens, into the on-disk caches
-    # the engine reads (stages/blocks/warmup.py). A cold cache's compilations then overlap the imports
+    # compiled layer) compile in child processes started as the run opens (one per part, a core each:
+    # warmup.parts), into the on-disk caches the engine reads. A cold cache's compilations then overlap the imports
     # instead of holding up the engine's capture. false: the warm-up thread compiles them in process
     precompile: bool = True
 

@@ -152,31 +152,31 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile: Pat
     r2 = subprocess.run(cmd, cwd=work / name, env=env, capture_output=True, text=True)
     resume_proc_s = time.perf_counter() - t
     resume_json = json.loads((run_dir / "train.json").read_text())
-    per = lambda ph, key: [s[ph].get(key) for s in steps[1:]]  # noqa: E731  medians skip update 1 (warm-up)
-    update_total = [s["rollout"]["wall_s"] + s["score"]["wall_s"] + s["policy"]["wall_s"] for s in steps[1:]]
+    phases = {ph: [s[key]["wall_s"] for s in steps] for ph, key in (("rollout", "rollout"), ("score", "score"),
+                                                                     ("update", "policy"))}
+    per = lambda ph: phases[ph][1:]  # noqa: E731  medians skip update 1 (warm-up)
+    phase_sum = [sum(t) for t in zip(*phases.values())]
+    outside = [w_ - p for w_, p in zip(walls, phase_sum)]
     pos = w["prompts"] * w["response"]  # response tokens = scored = trained positions per update
     rate = lambda xs: round(pos / median(xs), 1) if median(xs) else None  # noqa: E731
     out = {
         "name": name, "settings": list(extra),
         # a whole step as the user waits for it (phases + Parquet/adapter IO + publishing), update 1 excluded
-        "median_update_s": median(walls[1:]), "median_phase_sum_s": median(update_total), "step_wall_s": walls,
+        "median_update_s": median(walls[1:]), "median_phase_sum_s": median(phase_sum[1:]), "step_wall_s": walls,
         "store_seconds_total": train_json["timings"].get("store_seconds"),
-        "median_rollout_s": median(per("rollout", "wall_s")), "median_score_s": median(per("score", "wall_s")),
-        "median_update_phase_s": median(per("policy", "wall_s")),
+        "median_rollout_s": median(per("rollout")), "median_score_s": median(per("score")),
+        "median_update_phase_s": median(per("update")),
         # the step outside the three phases (wall - phases), and the recorded pieces of it per stage
         # (inputs, Parquet, adapter/optimizer serialisation, the wait for the previous background publish)
-        "median_outside_phases_s": median([w_ - u for w_, u in zip(walls[1:], update_total)]),
+        "median_outside_phases_s": median(outside[1:]),
         # every step's phases and the rest of its wall time, update 1 included: where a slow step's time went
-        "per_step_s": {"rollout": [s["rollout"]["wall_s"] for s in steps], "score": [s["score"]["wall_s"] for s in steps],
-                       "update": [s["policy"]["wall_s"] for s in steps],
-                       "outside": [round(w_ - s["rollout"]["wall_s"] - s["score"]["wall_s"] - s["policy"]["wall_s"], 4)
-                                   for w_, s in zip(walls, steps)]},
+        "per_step_s": {**phases, "outside": [round(x, 4) for x in outside]},
         "median_io_s": {f"{ph}.{key}": median([(s[ph].get("io_s") or {}).get(key) for s in steps[1:]])
                         for ph in ("rollout", "score", "policy")
                         for key in sorted({kk for s in steps for kk in (s[ph].get("io_s") or {})})},
-        "rollout_tok_per_s": rate(per("rollout", "wall_s")),
-        "scored_positions_per_s": rate(per("score", "wall_s")),
-        "update_positions_per_s": rate(per("policy", "wall_s")),
+        "rollout_tok_per_s": rate(per("rollout")),
+        "scored_positions_per_s": rate(per("score")),
+        "update_positions_per_s": rate(per("update")),
         # (CPU, --smoke: the phase's peak RSS stands in)
         "peak_allocated_gib": {ph: max(s[ph].get("peak_allocated_gib", s[ph].get("peak_rss_gib", 0)) for s in steps)
                                for ph in ("rollout", "score", "policy")},

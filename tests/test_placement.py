@@ -294,10 +294,17 @@ def test_gpu_merge_in_place_publishes_what_resident_does(work, monkeypatch):
     # CUDA: the merge is a replayed graph and the copy back runs on a side stream, overlapping the
     # score; the update's forward waits for it on the device (decoder.base_ready); from the second
     # rollout on the merge is enqueued right after the previous update (sampler.Engine.premerge)
-    premerged, premerge = [], sampler.Engine.premerge
+    premerged, premerge, found, generate = [], sampler.Engine.premerge, [], sampler.Engine.generate
     monkeypatch.setattr(sampler.Engine, "premerge", lambda self: premerged.append(premerge(self)) or premerged[-1])
+
+    def generate_finds(self, *a, **kw):  # whether the weights were still merged ahead when the rollout began
+        found.append(self.in_place and "_opd_merged" in models.base_of(self.model).__dict__)
+        return generate(self, *a, **kw)
+
+    monkeypatch.setattr(sampler.Engine, "generate", generate_finds)
     base = models.base_of(_with_and_without_merge_in_place(work, "runtime.device=cuda").student())
     assert premerged == [False, True], premerged  # (the copy's engine merges nothing ahead; in place, step 2's)
+    assert found == [False, False, False, True], found  # step 2's rollout sampled that merge (nothing undid it)
     torch.cuda.synchronize()  # the student's base is pristine after the last rollout's copy back
     assert torch.equal(base.__dict__["_opd_flat"].cpu(), base.__dict__["_opd_pristine"])
 

@@ -31,8 +31,13 @@ CHUNK = 2048  # logits per program of the first kernel
 ON = True  # False: decoder.pick's torch passes on CUDA too (benchmarks/decode_kernels.py ':nodraw')
 
 
+def serves(greedy: bool, top_p: float) -> bool:
+    """The sampling settings these kernels draw for: plain sampling (greedy and top-p take torch's passes)."""
+    return not greedy and top_p >= 1.0
+
+
 def usable(logits: torch.Tensor, greedy: bool, top_p: float) -> bool:
-    return ON and triton is not None and logits.is_cuda and not greedy and top_p >= 1.0
+    return ON and triton is not None and logits.is_cuda and serves(greedy, top_p)
 
 
 if triton is not None:

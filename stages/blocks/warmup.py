@@ -123,7 +123,7 @@ CHILD_TIMEOUT_S = 300  # children still compiling this long after the thread sta
 
 def parts(compiled: bool, sampling: tuple, cores: int) -> tuple[str, ...]:
     """What the precompiling children compile, one child per part (`_child`): "draw", the draw's two
-    kernels (plain sampling only: greedy and top-p take torch's passes, draw.usable); "step", the
+    kernels (plain sampling only, draw.serves); "step", the
     decode step's kernels with the draw off (runtime.compile; the eager step launches no Triton
     kernel). Disjoint, so they compile side by side: one child for both was found done 9.7-10.3 s
     after it started, on cold caches on the H200, ~5 s of it compiling, and the engine's capture
@@ -131,7 +131,7 @@ def parts(compiled: bool, sampling: tuple, cores: int) -> tuple[str, ...]:
     it was meant to overlap: with fewer cores than parts + 1 the parts share one child ("all"),
     with one core no child starts (the thread compiles them, as with runtime.precompile=false)."""
     temperature, top_p, greedy = sampling
-    want = tuple(p for p, needed in (("draw", not greedy and top_p >= 1.0), ("step", compiled)) if needed)
+    want = tuple(p for p, needed in (("draw", draw.serves(greedy, top_p)), ("step", compiled)) if needed)
     if cores >= len(want) + 1:
         return want
     return ("all",) if want and cores >= 2 else ()

@@ -3,7 +3,7 @@ fresh store each) on the seed workload's models, timed piece by piece, the last 
 py-spy (a sampling profiler: unlike cProfile it does not slow each Python call, so imports and
 calls through torch's dispatcher keep their real proportions).
 
-    python benchmarks/first_update.py --tokenizer DIR --out DIR [--runs 2] [--sampler py-spy] [--smoke]
+    python benchmarks/first_update.py --tokenizer DIR --out DIR [--runs 2] [--sampler py-spy|py-spy-gil] [--smoke]
         [--against runtime.warmup=false] [--cold]
     python benchmarks/first_update.py --explain FILE.pyspy.gz --under 'make_graphed_callables' [--under ...]
 
@@ -105,14 +105,16 @@ def one_process(w: dict, work: Path, tok: str, tag: str, sampler: str | None, ex
         env = {**env, "TRITON_CACHE_DIR": str(cwd / "cold-triton"), "TORCHINDUCTOR_CACHE_DIR": str(cwd / "cold-inductor")}
     raw = cwd / "first-update.pyspy"
     out: dict = {"name": tag}
-    if sampler == "py-spy":
+    if sampler in ("py-spy", "py-spy-gil"):
         # --nonblocking: samples without stopping the process (~3% on a tiny CPU run, where --native,
         # which stops it to unwind C++ frames, made it ten times slower); time in C is charged to
-        # the Python function that called it
+        # the Python function that called it. py-spy-gil: only the thread holding the interpreter
+        # lock, at each sample (--gil, no --idle): whose Python the main thread waits behind
         spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-        cmd = [spy, "record", "-r", str(RATE), "--idle", "--threads", "--nonblocking", "-f", "raw", "-o", str(raw),
+        how = ["--gil"] if sampler == "py-spy-gil" else ["--idle"]
+        cmd = [spy, "record", "-r", str(RATE), *how, "--threads", "--nonblocking", "-f", "raw", "-o", str(raw),
                "--", *cmd]
-        out["sampler"] = "py-spy --nonblocking"
+        out["sampler"] = f"py-spy --nonblocking {how[0]}"
     t = time.perf_counter()
     r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     out["process_wall_s"] = round(time.perf_counter() - t, 2)
@@ -164,8 +166,11 @@ def markdown(res: dict) -> str:
         if "profile" not in p:
             continue
         prof = p["profile"]
-        lines += ["", f"## {p['name']}: {p['sampler']}, {prof['rate_hz']} Hz, idle time included", "",
-                  "Seconds per thread: " + "; ".join(f"{k} {v}" for k, v in prof["threads_s"]), "",
+        held = "--gil" in p["sampler"]
+        lines += ["", f"## {p['name']}: {p['sampler']}, {prof['rate_hz']} Hz, "
+                  f"{'the interpreter lock holder alone' if held else 'idle time included'}", "",
+                  ("Seconds holding the interpreter lock, per thread: " if held else "Seconds per thread: ")
+                  + "; ".join(f"{k} {v}" for k, v in prof["threads_s"]), "",
                   "Main thread, inclusive (each function once per stack):", "", "| s | function |", "|---|---|"]
         lines += [f"| {v} | `{k}` |" for k, v in prof["main_inclusive_s"]]
         lines += ["", "Main thread, own (the innermost frame):", "", "| s | function |", "|---|---|"]
@@ -182,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--runs", type=int, default=2, help="fresh processes, one after another")
-    ap.add_argument("--sampler", choices=["py-spy", "none"], default="py-spy", help="for the last process")
+    ap.add_argument("--sampler", choices=["py-spy", "py-spy-gil", "none"], default="py-spy",
+                    help="for the last process (py-spy-gil: the lock holder's stacks alone)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random models (the driver end to end)")
     ap.add_argument("--set", action="append", default=[], help="more overrides for our runs (key=value)")
     ap.add_argument("--against", action="append", default=[],

@@ -53,6 +53,7 @@ class Session:
         if self._student is None:
             _ = self.placement  # decided (or refused) before any weights load
             base = models.load(self.model_dir("student"), self.cfg.student, self.device, self.dtype)
+            self.mark("student_base_loaded")  # (imports, then the weights; the LoRA comes next)
             if self._ahead:  # read beside the LoRA, policy 0 and the engine (stages/blocks/ahead.py)
                 c, path = self.cfg, lambda role: self.store.path("model", self.prepared[role])
                 if self.placement == "resident" and c.teacher.quant == "none" and c.memory.vram_gib is None:
@@ -70,6 +71,7 @@ class Session:
             if self.cfg.train.activation_checkpointing:  # only active in train() mode, i.e. the update
                 models.enable_activation_checkpointing(base, preserve_rng_state=self.cfg.lora.dropout > 0)
             self._student = models.add_lora(base, self.cfg.lora, seed_of(self.init_digest()))
+            self.mark("lora_built")
             if self.compiled_layers(self.cfg.student):
                 print("runtime.compile_layers: the student's decoder layers compile at the first update "
                       "(about a minute on a cold compile cache)", file=sys.stderr, flush=True)
@@ -165,8 +167,7 @@ class Session:
         return rest
 
     @property
-    def placement(self) -> str:
-        """resident | swap | shared_backbone: memory.placement, or the plan's choice for auto (weight-free)."""
+    def placement(self) -> str:  # resident | swap | shared_backbone: memory.placement, or the plan's for auto
         if self._placement is None:
             self._placement, _ = plan.decide(self.cfg)
         return self._placement
@@ -199,8 +200,7 @@ class Session:
             self._on_host.discard(role)
 
     def mark(self, event: str) -> None:
-        """When `event` first happened in this process, in seconds since the session opened: where the
-        construction before the first update goes (train.json, timings.startup_s)."""
+        """When `event` first happened, in s since the session opened (train.json, timings.startup_s)."""
         self.timings.setdefault("startup_s", {}).setdefault(event, round(time.perf_counter() - self.t0, 4))
 
     def model_dir(self, role: str) -> Path:

@@ -75,3 +75,43 @@ def transformers_generation() -> None:
         return f(*a, **k)
 
     cg.roc_curve = roc_curve
+
+
+def transformers_losses() -> None:
+    """Import transformers' loss modules (modeling_utils imports them all, for every model class)
+    with their scipy import deferred. Six of them, the object-detection losses (DETR and its kin), import
+    `scipy.optimize.linear_sum_assignment` as they are imported, wherever scipy is installed, for
+    their Hungarian matchers alone: 0.38 s of the H200's first update on the main thread
+    (benchmarks/results/2026-12-04-h200-df4495c-first-update.md), ~1 s on a 2-core Xeon. The modules are
+    imported seeing no scipy, then get the real availability check back and a `linear_sum_assignment`
+    that imports scipy's at its first call (a matcher still checks for scipy as it is built,
+    through transformers' own backend table, which this leaves alone)."""
+    name = "transformers.loss.loss_utils"
+    if name in sys.modules or importlib.util.find_spec("scipy") is None:
+        return
+    import transformers.utils as tu
+
+    real, before = tu.is_scipy_available, set(sys.modules)
+    tu.is_scipy_available = lambda: False  # what each module's `from ..utils import ...` binds while importing
+    try:
+        import transformers.loss.loss_utils  # noqa: F401
+    finally:
+        tu.is_scipy_available = real
+
+    def linear_sum_assignment(*a, **k):
+        from scipy.optimize import linear_sum_assignment as f
+
+        return f(*a, **k)
+
+    for mod in (sys.modules[n] for n in set(sys.modules) - before if n.startswith("transformers.")):
+        if getattr(mod, "is_scipy_available", None) is not None:  # bound the stand-in: the real one back
+            mod.is_scipy_available = real
+            if not hasattr(mod, "linear_sum_assignment"):
+                mod.linear_sum_assignment = linear_sum_assignment
+
+
+def transformers() -> None:
+    """transformers' model classes imported with both deferrals above; call before the process's first
+    import of a model class (models.load, models.materialize)."""
+    transformers_losses()
+    transformers_generation()

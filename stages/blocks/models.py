@@ -120,7 +120,7 @@ def embedded_tokenizer():
 
 def materialize(mcfg: ModelCfg, out: Path, seed: int, tokenizer_dir: Path | None = None) -> None:
     """Write a safetensors model dir (+ tokenizer files) for `mcfg` into `out`."""
-    imports.transformers_generation()
+    imports.transformers()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     name, tok = mcfg.name, None
@@ -200,7 +200,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load(model_dir: Path, mcfg: ModelCfg, device: torch.device, dtype: torch.dtype):
     """Load a materialised model for inference or LoRA training (weights frozen)."""
-    imports.transformers_generation()
+    imports.transformers()
     from transformers import AutoModelForCausalLM
 
     kw = {}

@@ -101,3 +101,39 @@ def test_transformers_generation_defers_scikit_learn_and_assisted_generation_sti
     adapted = plain[2].split(",")
     assert len(set(adapted)) > 1 and deferred[2] == plain[2], (plain, deferred)  # the ROC steps ran, the same
     assert deferred[3] == plain[3] and len(plain[3].split(",")) == 64
+
+
+LOSSES = r"""
+import sys
+import torch
+import transformers
+from stages.blocks import imports
+assert transformers.__version__ == "5.17.0", transformers.__version__
+if sys.argv[1] == "deferred":
+    imports.transformers()
+from transformers import AutoModelForCausalLM, LlamaConfig
+AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=16))
+at_load = "scipy" in sys.modules
+from transformers.loss.loss_for_object_detection import HungarianMatcher
+# DETR's matcher: the one user of scipy's linear_sum_assignment, on a batch where the assignment is not the diagonal
+g = torch.Generator().manual_seed(0)
+outputs = {"logits": torch.randn(2, 7, 5, generator=g), "pred_boxes": torch.rand(2, 7, 4, generator=g) * 0.5 + 0.25}
+targets = [{"class_labels": torch.randint(0, 5, (n,), generator=g), "boxes": torch.rand(n, 4, generator=g) * 0.5 + 0.25}
+           for n in (4, 6)]
+idx = HungarianMatcher(class_cost=1, bbox_cost=5, giou_cost=2)(outputs, targets)
+print(at_load, "scipy" in sys.modules, "|".join(",".join(map(str, q.tolist() + t.tolist())) for q, t in idx))
+"""
+
+
+def test_transformers_defers_scipy_and_detr_matching_still_assigns_the_same():
+    """transformers imports every loss module with its model classes, and the object-detection ones
+    import scipy where it is installed (0.38 s of the H200's first update). Deferred, loading a model
+    imports no scipy; the DETR matcher, its user, still imports it and assigns the same pairs."""
+    env = env_with("transformers-5.17")
+    plain, deferred = run(LOSSES, "plain", env), run(LOSSES, "deferred", env)
+    assert plain[0] == "True" and deferred[0] == "False", (plain, deferred)  # at load: the cost, then none
+    assert deferred[1] == "True"  # imported where it is used
+    pairs = plain[2].split("|")
+    assert len(pairs) == 2 and [len(p.split(",")) for p in pairs] == [8, 12], plain  # 4 and 6 matches
+    assert deferred[2] == plain[2]

@@ -53,14 +53,7 @@ class Session:
         if self._student is None:
             _ = self.placement  # decided (or refused) before any weights load
             base = models.load(self.model_dir("student"), self.cfg.student, self.device, self.dtype)
-            self.mark("student_base_loaded")  # (imports, then the weights; the LoRA comes next)
-            if self._ahead:  # read beside the LoRA, policy 0 and the engine (stages/blocks/ahead.py)
-                c, path = self.cfg, lambda role: self.store.path("model", self.prepared[role])
-                if self.placement == "resident" and c.teacher.quant == "none" and c.memory.vram_gib is None:
-                    self._ahead.submit("teacher", ahead.verified, self.store, path("teacher"), models.load, c.teacher,
-                                       self.device, self.dtype)
-                self._ahead.submit("tokenizer", ahead.verified, self.store, path("student"), ahead.tokenizer)
-                self._ahead.submit("pandas", ahead.import_pandas)
+            self.mark("student_base_loaded")  # (imports, then the weights)
             if self.cfg.memory.merge_in_place:
                 why = sampler.supported(base)
                 if why:
@@ -72,6 +65,13 @@ class Session:
                 models.enable_activation_checkpointing(base, preserve_rng_state=self.cfg.lora.dropout > 0)
             self._student = models.add_lora(base, self.cfg.lora, seed_of(self.init_digest()))
             self.mark("lora_built")
+            if self._ahead:  # read beside policy 0, the engine and the rollout (stages/blocks/ahead.py)
+                c, path = self.cfg, lambda role: self.store.path("model", self.prepared[role])
+                if self.placement == "resident" and c.teacher.quant == "none" and c.memory.vram_gib is None:
+                    self._ahead.submit("teacher", ahead.verified, self.store, path("teacher"), models.load, c.teacher,
+                                       self.device, self.dtype)
+                self._ahead.submit("tokenizer", ahead.verified, self.store, path("student"), ahead.tokenizer)
+                self._ahead.submit("pandas", ahead.import_pandas)
             if self.compiled_layers(self.cfg.student):
                 print("runtime.compile_layers: the student's decoder layers compile at the first update "
                       "(about a minute on a cold compile cache)", file=sys.stderr, flush=True)

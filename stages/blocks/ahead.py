@@ -4,13 +4,15 @@ A fresh CUDA run's main thread used to read, one after the other: the student's 
 the tokenizer (0.47 s on the H200's host), pandas (0.5 s: pyarrow imports it at the first array it
 builds from a Python list, to ask whether the list is a pandas object), and after the first rollout
 the teacher's weights (0.55 s, mostly waiting on transformers' loading threads). `Session.load_ahead`
-starts the worker; once the student's weights are in (the order the memory plan assumes),
+starts the worker; once the student's weights and LoRA are in (the order the memory plan assumes),
 `Session.student` gives it the teacher's weights (where the plan keeps both models resident, the
 teacher is unquantized, as bitsandbytes' import is not made thread-safe, and no memory.vram_gib
-budget is set), then the tokenizer, then pandas, while the main thread builds the LoRA, publishes
-policy 0 and captures the engine's graphs. Much of that runs inside torch calls that release the
-interpreter (the LoRA's host to device copies, the captures), and the teacher's load is mostly
-file reads and copies, so the reads proceed meanwhile. Python-bound work does not overlap, the
+budget is set), then the tokenizer, then pandas, while the main thread publishes policy 0. The
+engine's capture joins the teacher's load (no capture sees another thread's device work). Given
+the teacher while the LoRA was being built, the LoRA took 1.6-1.8 s instead of 0.6-0.7: each of
+its 448 small host-to-device copies queued on the one default stream behind the teacher's,
+whose loading threads also held the interpreter (benchmarks/results/2026-12-04-h200-756be39-first-update.md,
+`student_base_loaded` to `lora_built` with and without `runtime.warmup`). Python-bound work does not overlap, the
 interpreter runs one thread at a time: started as the session opened, the reads slowed the
 student's load (its imports, and module locks the worker held) by about what they saved later:
 first update 7.69 s, median of three, against 7.58 for the warm-up alone at 63cb842 (H200,

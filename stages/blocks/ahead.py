@@ -12,7 +12,9 @@ engine's capture joins the teacher's load (no capture sees another thread's devi
 the teacher while the LoRA was being built, the LoRA took 1.6-1.8 s instead of 0.6-0.7: each of
 its 448 small host-to-device copies queued on the one default stream behind the teacher's,
 whose loading threads also held the interpreter (benchmarks/results/2026-12-04-h200-756be39-first-update.md,
-`student_base_loaded` to `lora_built` with and without `runtime.warmup`). Python-bound work does not overlap, the
+`student_base_loaded` to `lora_built` with and without `runtime.warmup`). Read after it, the
+teacher makes the engine's capture wait instead (0.9-1.2 s after policy 0): first updates 6.96-7.38 s
+against 6.43-7.58, no gain measured (-7171133-first-update.md). Python-bound work does not overlap, the
 interpreter runs one thread at a time: started as the session opened, the reads slowed the
 student's load (its imports, and module locks the worker held) by about what they saved later:
 first update 7.69 s, median of three, against 7.58 for the warm-up alone at 63cb842 (H200,

@@ -135,7 +135,7 @@ class Session:
         return list(self._ahead.taken) if self._ahead else None
 
     def load_ahead(self) -> None:
-        """Read what the first step waits for on a worker thread once the student's weights are in
+        """Read what the first step waits for on a worker thread once the student's LoRA is built
         (stages/blocks/ahead.py): the teacher's weights, the tokenizer, pandas."""
         self._ahead.start()
 

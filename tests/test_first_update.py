@@ -35,6 +35,13 @@ def test_summary_charges_each_function_once_per_stack_and_merges_lines(tmp_path)
          "startup_s": {"update_done": 2.0, "prepared": 0.1}, "profile": s}]})
     assert "| first-1 (py-spy --nonblocking) | 3.0 | 2.0 | prepared 0.1, update_done 2.0 |  |" in md
     assert "| 1.5 | `<module> (sklearn/__init__.py)` |" in md
+    assert "idle time included" in md and "Seconds per thread: " in md
+    # --sampler py-spy-gil: the samples are the lock holder's, and the headers say so
+    held = first_update.markdown({"device": "cpu", "torch": "x", "command": "c", "processes": [
+        {"name": "first-1", "sampler": "py-spy --nonblocking --gil", "process_wall_s": 3.0, "first_update_s": 2.0,
+         "startup_s": {}, "profile": s}]})
+    assert "the interpreter lock holder alone" in held and "idle time included" not in held
+    assert "Seconds holding the interpreter lock, per thread: " in held and "Seconds per thread: " not in held
     gz = tmp_path / "first.pyspy.gz"  # as the driver keeps it
     gz.write_bytes(gzip.compress(RAW.encode()))
     assert first_update.summarise(gz) == s

@@ -50,64 +50,55 @@ def transformers_generation() -> None:
     assisted generation's adaptive confidence threshold alone; that import brings in scipy too:
     3.2 s of a fresh process's first update on the H200 (benchmarks/results/
     2026-12-02-h200-6c400fd-first-update.md). 5.24 imports it where it is used; this does the same for
-    older versions: the module is imported seeing no scikit-learn, then gets the real availability
-    check back and a `roc_curve` that imports scikit-learn's at its first call."""
+    older versions (`_seeing_none`)."""
     name = "transformers.generation.candidate_generator"
     if name in sys.modules or importlib.util.find_spec("sklearn") is None:
         return
     import transformers
-    import transformers.utils as tu
     from packaging.version import Version
 
-    if Version(transformers.__version__) >= Version("5.24"):  # (imports it lazily itself)
-        return
-    real = tu.is_sklearn_available
-    tu.is_sklearn_available = lambda: False  # what the module's `from ..utils import ...` binds while importing
-    try:
-        import transformers.generation.candidate_generator as cg
-    finally:
-        tu.is_sklearn_available = real
-    cg.is_sklearn_available = real
-
-    def roc_curve(*a, **k):
-        from sklearn.metrics import roc_curve as f
-
-        return f(*a, **k)
-
-    cg.roc_curve = roc_curve
+    if Version(transformers.__version__) < Version("5.24"):  # (5.24 imports it lazily itself)
+        _seeing_none("is_sklearn_available", name, "roc_curve", "sklearn.metrics")
 
 
 def transformers_losses() -> None:
     """Import transformers' loss modules (modeling_utils imports them all, for every model class)
-    with their scipy import deferred. Six of them, the object-detection losses (DETR and its kin), import
-    `scipy.optimize.linear_sum_assignment` as they are imported, wherever scipy is installed, for
-    their Hungarian matchers alone: 0.38 s of the H200's first update on the main thread
-    (benchmarks/results/2026-12-04-h200-df4495c-first-update.md), ~1 s on a 2-core Xeon. The modules are
-    imported seeing no scipy, then get the real availability check back and a `linear_sum_assignment`
-    that imports scipy's at its first call (a matcher still checks for scipy as it is built,
-    through transformers' own backend table, which this leaves alone)."""
+    with their scipy import deferred (`_seeing_none`). Six of them, the object-detection losses (DETR
+    and its kin), import `scipy.optimize.linear_sum_assignment` as they are imported, wherever scipy
+    is installed, for their Hungarian matchers alone: 0.375 s of the H200's main thread in the
+    first update (benchmarks/results/2026-12-04-h200-df4495c-first-update.md; `first_update.py
+    --explain` of its .pyspy.gz, under `<module> (transformers/loss/loss_for_object_detection`).
+    A matcher still checks for scipy as it is built, through transformers' own backend table."""
     name = "transformers.loss.loss_utils"
-    if name in sys.modules or importlib.util.find_spec("scipy") is None:
-        return
+    if name not in sys.modules and importlib.util.find_spec("scipy") is not None:
+        _seeing_none("is_scipy_available", name, "linear_sum_assignment", "scipy.optimize")
+
+
+def _seeing_none(check: str, module: str, attr: str, source: str) -> None:
+    """Import `module` while transformers.utils' availability `check` says no, so the modules imported
+    meanwhile skip their `from source import attr`; then each module that bound the stand-in gets
+    the real check back and an `attr` that imports source's at its first call."""
     import transformers.utils as tu
 
-    real, before = tu.is_scipy_available, set(sys.modules)
-    tu.is_scipy_available = lambda: False  # what each module's `from ..utils import ...` binds while importing
+    real, before = getattr(tu, check), set(sys.modules)
+
+    def absent() -> bool:  # what each module's `from ..utils import check` binds while importing
+        return False
+
+    setattr(tu, check, absent)
     try:
-        import transformers.loss.loss_utils  # noqa: F401
+        importlib.import_module(module)
     finally:
-        tu.is_scipy_available = real
+        setattr(tu, check, real)
 
-    def linear_sum_assignment(*a, **k):
-        from scipy.optimize import linear_sum_assignment as f
+    def deferred(*a, **k):
+        return getattr(importlib.import_module(source), attr)(*a, **k)
 
-        return f(*a, **k)
-
-    for mod in (sys.modules[n] for n in set(sys.modules) - before if n.startswith("transformers.")):
-        if getattr(mod, "is_scipy_available", None) is not None:  # bound the stand-in: the real one back
-            mod.is_scipy_available = real
-            if not hasattr(mod, "linear_sum_assignment"):
-                mod.linear_sum_assignment = linear_sum_assignment
+    for mod in (sys.modules[n] for n in set(sys.modules) - before):
+        if getattr(mod, check, None) is absent:
+            setattr(mod, check, real)
+            if not hasattr(mod, attr):
+                setattr(mod, attr, deferred)
 
 
 def transformers() -> None:

@@ -130,7 +130,7 @@ def parts(compiled: bool, sampling: tuple, cores: int) -> tuple[str, ...]:
     waited for it. A child needs a core of its own beside the main thread's, or it slows the imports
     it was meant to overlap: with fewer cores than parts + 1 the parts share one child ("all"),
     with one core no child starts (the thread compiles them, as with runtime.precompile=false)."""
-    temperature, top_p, greedy = sampling
+    _, top_p, greedy = sampling  # (temperature, top_p, greedy)
     want = tuple(p for p, needed in (("draw", draw.serves(greedy, top_p)), ("step", compiled)) if needed)
     if cores >= len(want) + 1:
         return want

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 import stages  # noqa: E402,F401  (before torch: MKL's mode)
 import torch  # noqa: E402
 
-from stages.blocks import lmhead, models, sampler  # noqa: E402
+from stages.blocks import lmhead, lora, models, sampler  # noqa: E402
 from stages.blocks.config import LoraCfg, ModelCfg  # noqa: E402
 
 GIB = 2**30
@@ -73,7 +73,7 @@ def main() -> int:
         return out
 
     nf4 = ModelCfg(quant="nf4")
-    student = step("load student nf4", lambda: models.add_lora(models.load(tmp / "smollm2-360m", nf4, dev, dt),
+    student = step("load student nf4", lambda: lora.add(models.load(tmp / "smollm2-360m", nf4, dev, dt),
                                                                LoraCfg(r=16, alpha=32), seed=1))
     teacher = step("load teacher nf4", lambda: models.load(tmp / "smollm2-1.7b", nf4, dev, dt))
     g = torch.Generator().manual_seed(0)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 import stages  # noqa: E402,F401  (before torch: the package's process settings)
 import torch  # noqa: E402
 
-from stages.blocks import ahead, models  # noqa: E402
+from stages.blocks import ahead, lora  # noqa: E402
 from stages.blocks.config import LoraCfg  # noqa: E402
 
 
@@ -63,7 +63,7 @@ def main() -> None:
     lcfg = LoraCfg()
     res = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
            "command": "python benchmarks/switch_interval.py " + " ".join(sys.argv[1:]), "runs": {}}
-    models.add_lora(base(args.device), lcfg, 0)  # first calls (imports, CUDA context) paid outside
+    lora.add(base(args.device), lcfg, 0)  # first calls (imports, CUDA context) paid outside
     default = sys.getswitchinterval()
     for switch in [None, *(float(x) for x in args.switch.split(","))]:
         stop = threading.Event()
@@ -74,7 +74,7 @@ def main() -> None:
         times = []
         for _ in range(args.repeats):
             m = base(args.device)
-            times.append(round(timed(lambda: models.add_lora(m, lcfg, 0), args.device), 4))
+            times.append(round(timed(lambda: lora.add(m, lcfg, 0), args.device), 4))
         stop.set()
         if switch is not None:
             t.join()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .blocks import (adapters, ahead, decoder, graphs, hostmem, identity, memory, models, phases, plan, reproducible,
-                     sampler, tables, warmup)
+from .blocks import (adapters, ahead, decoder, graphs, hostmem, identity, lora, memory, models, phases, plan,
+                     reproducible, sampler, tables, warmup)
 from .blocks.config import Config, logit_temperature
 from .blocks.errors import UserError
 from .blocks.store import Store, link, seed_of, write_json
@@ -52,7 +52,8 @@ class Session:
     def student(self):
         if self._student is None:
             _ = self.placement  # decided (or refused) before any weights load
-            base = models.load(self.model_dir("student"), self.cfg.student, self.device, self.dtype)
+            base = models.load(self.model_dir("student"), self.cfg.student, self.device, self.dtype,
+                               self._ahead.take("student_weights"))  # (None: not read ahead)
             self.mark("student_base_loaded")  # (imports, then the weights)
             if self.cfg.memory.merge_in_place:
                 why = sampler.supported(base)
@@ -63,13 +64,13 @@ class Session:
                     decoder.fuse_projections(base)
             if self.cfg.train.activation_checkpointing:  # only active in train() mode, i.e. the update
                 models.enable_activation_checkpointing(base, preserve_rng_state=self.cfg.lora.dropout > 0)
-            self._student = models.add_lora(base, self.cfg.lora, seed_of(self.init_digest()))
+            self._student = lora.add(base, self.cfg.lora, seed_of(self.init_digest()))
             self.mark("lora_built")
-            if self._ahead:  # read beside policy 0, the engine and the rollout (stages/blocks/ahead.py)
+            if self._ahead:  # made beside policy 0, the engine and the rollout (stages/blocks/ahead.py)
                 c, path = self.cfg, lambda role: self.store.path("model", self.prepared[role])
-                if self.placement == "resident" and c.teacher.quant == "none" and c.memory.vram_gib is None:
-                    self._ahead.submit("teacher", ahead.verified, self.store, path("teacher"), models.load, c.teacher,
-                                       self.device, self.dtype)
+                if "teacher_weights" in self._ahead:  # (the worker has read them by now, or is reading them)
+                    self._ahead.submit("teacher", lambda: ahead.verified(self.store, path("teacher"), models.load,
+                                       c.teacher, self.device, self.dtype, self._ahead.take("teacher_weights")))
                 self._ahead.submit("tokenizer", ahead.verified, self.store, path("student"), ahead.tokenizer)
                 self._ahead.submit("pandas", ahead.import_pandas)
             if self.compiled_layers(self.cfg.student):
@@ -105,9 +106,8 @@ class Session:
         return self._teacher
 
     def forward_length(self) -> int:
-        """CUDA: the padded length of every teacher-forced forward (stages/blocks/graphs.py): the run's longest
-        prompt + response, so a run replays one graph per batch size. Longer inputs (multi-turn episodes,
-        evaluation's longer answers) pad to their own multiple of the bucket."""
+        """CUDA: the padded length of every teacher-forced forward (stages/blocks/graphs.py): the run's longest prompt +
+        response, so it replays one graph per batch size (longer inputs, multi-turn or evaluation's, pad further)."""
         return graphs.bucket(self.cfg.data.max_prompt_tokens + self.cfg.rollout.max_new_tokens)
 
     def _graph_forwards(self, model, role: str) -> None:
@@ -117,27 +117,27 @@ class Session:
         base.__dict__["_opd_before_capture"] = self.before_capture  # (graphs.hidden: as the engine's)
 
     def before_capture(self) -> None:
-        """Before a CUDA graph capture: no other thread's device work meanwhile (warm-up, a publish's sync, the
-        teacher's load ahead)."""
+        """Before a CUDA graph capture: no other thread's device work (warm-up, a publish's sync, reads ahead)."""
         warmup.wait()
         self.store.flush()
-        self._ahead.join("teacher")
+        self._ahead.join("teacher_weights", "teacher")
 
     def tokenizer(self):
         """The student's tokenizer (model_dir content-checks its files before anything is read)."""
-        if self._tok is None:
-            self._tok = self._ahead.take("tokenizer")
-        if self._tok is None:
-            self._tok = ahead.tokenizer(self.model_dir("student"))
+        if self._tok is None:  # (a tokenizer's truth is its vocabulary's size)
+            self._tok = self._ahead.take("tokenizer") or ahead.tokenizer(self.model_dir("student"))
         return self._tok
 
     def loaded_ahead(self) -> list[str] | None:  # (None: load_ahead never started)
         return list(self._ahead.taken) if self._ahead else None
 
     def load_ahead(self) -> None:
-        """Read what the first step waits for on a worker thread once the student's LoRA is built
-        (stages/blocks/ahead.py): the teacher's weights, the tokenizer, pandas."""
+        """Read what the first step waits for on a worker thread (stages/blocks/ahead.py): the models' weights
+        from now on, and once the student's LoRA is built the teacher made of them, the tokenizer, pandas."""
         self._ahead.start()
+        for role in ahead.weights_read(self.cfg, self.placement):
+            self._ahead.submit(f"{role}_weights", ahead.verified, self.store, self.store.path(
+                "model", self.prepared[role]), ahead.weights, self.device, self.dtype)
 
     # ---- the tables the loop hands on (rollout -> score -> update) ----
     def table(self, stage: str, dig: str, name: str, required: dict | None = None):
@@ -223,7 +223,7 @@ class Session:
         """The student holding the adapter published by (stage, dig): init, sft or update."""
         student = self.student()
         if self._policy != dig:
-            models.load_lora(student, self.store.path(stage, dig) / "adapter")
+            lora.load(student, self.store.path(stage, dig) / "adapter")
             self.adapter_changed(dig)
         return student
 
@@ -310,8 +310,7 @@ class Session:
         if self.compiled_layers(self.cfg.student) or self.compiled_layers(self.cfg.teacher):
             s["layers"] = "compiled"  # fused kernels round differently (which: by the quant keys, in the digests)
         if self.device.type == "cpu":
-            # MKL's reproducibility mode decides the CPU bytes; under its strict mode the thread
-            # count does not (1 and 2 threads give identical runs), under any other mode it may
+            # MKL's reproducibility mode decides the CPU bytes, and the thread count too unless it is strict
             m = reproducible.check()
             if m != "none":  # (no key without MKL: those digests are what they were)
                 s["mkl_cbwr"] = m

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from . import envs, objectives
-from .blocks import adapters, lmhead, models, prompts, tooluse
+from .blocks import adapters, lmhead, lora, models, prompts, tooluse
 from .blocks.errors import UserError
 from .blocks.store import seed_of, write_json
 from .envs import protocol
@@ -174,7 +174,7 @@ def teacher_adapter(sess: Session) -> Path:
     def produce(tmp: Path) -> None:
         cfg = sess.cfg
         base = models.load(sess.store.path("model", sess.prepared["teacher"]), cfg.teacher, sess.device, sess.dtype)
-        model = models.add_lora(base, cfg.lora, seed_of(dig))
+        model = lora.add(base, cfg.lora, seed_of(dig))
         _train(sess, model, dig, None, 0, cfg.sft.teacher_steps, cfg.sft.teacher_seed, tmp,
                f"opd-store/model/{sess.prepared['teacher']}")
         del model, base

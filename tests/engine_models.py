@@ -8,7 +8,7 @@ import json
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from stages.blocks import decoder, models
+from stages.blocks import decoder, lora
 from stages.blocks.config import ROOT, LoraCfg
 
 EOS, PAD = 2, 2
@@ -21,8 +21,33 @@ def tiny(name="tiny-llama", seed=0, **over):
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec), dtype=torch.float32).eval()
 
 
+def peft_alone(base, lcfg: LoraCfg, seed: int):
+    """What lora.add builds, by PEFT's own code throughout (each adapter moved as it is made)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
+                     target_modules=list(lcfg.target_modules), bias="none", task_type="CAUSAL_LM")
+    with lora.peft_wrap_quietly():
+        return get_peft_model(base, cfg)
+
+
+def same_adapters(ours, theirs) -> int:
+    """Asserts two LoRA'd models hold the same parameters (names, dtypes, devices, flags, bits); returns
+    how many are LoRA's."""
+    a, b = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    assert a.keys() == b.keys()
+    n = 0
+    for name, p in a.items():
+        q = b[name]
+        assert (p.dtype, p.device, p.shape, p.requires_grad) == (q.dtype, q.device, q.shape, q.requires_grad), name
+        assert torch.equal(p, q), name
+        n += "lora_" in name
+    return n
+
+
 def with_trained_lora(model, scale=0.2):
-    peft = models.add_lora(model, LoraCfg(r=4, alpha=8), seed=1)
+    peft = lora.add(model, LoraCfg(r=4, alpha=8), seed=1)
     with torch.no_grad():  # make the adapter non-trivial so merging matters
         for n, p in peft.named_parameters():
             if "lora_B" in n:

@@ -75,35 +75,43 @@ def test_checkpointing_stashes_rng_state_only_with_lora_dropout(work, dropout):
 
 
 def test_reads_ahead_give_the_same_models_and_policy_0_and_a_damaged_dir_is_recomputed_in_line(work):
-    """Session.load_ahead (CUDA runs start it; here on the CPU): the tokenizer and the teacher come from
-    its thread, bit for bit what the in-line loads give, and the student's LoRA (drawn from the global
-    generator while the teacher loads) is the same; a teacher dir whose hash fails is not read ahead:
-    the in-line path recomputes it, warning once."""
+    """Session.load_ahead (CUDA runs start it; here on the CPU): the models' weights, the tokenizer and
+    the teacher made of its weights come from its thread, bit for bit what the in-line loads give, and
+    the student's LoRA (drawn from the global generator while the teacher loads) is the same; a teacher
+    dir whose hash fails is not read ahead: the in-line path recomputes it, warning once; weights
+    stored in another dtype than the run's are read from the files, as before."""
     import torch
 
     from stages.blocks import models
 
-    plain = session(work, "runtime.threads=1")
+    # bf16 as the models are stored (the weights are read ahead only in the dtype the run computes in)
+    plain = session(work, "runtime.threads=1", "runtime.dtype=bfloat16")
     lora = {n: p.detach().clone() for n, p in models.trainable(plain.student())}
-    teacher = plain.teacher().state_dict()
-    sess = session(work, "runtime.threads=1")
+    # (copied: loaded in the dtype stored, CPU tensors may map the file, which the damage below rewrites)
+    teacher = {k: v.clone() for k, v in plain.teacher().state_dict().items()}
+    sess = session(work, "runtime.threads=1", "runtime.dtype=bfloat16")
     sess.load_ahead()
     assert {n: p for n, p in models.trainable(sess.student())}.keys() == lora.keys()
     assert all(torch.equal(p, lora[n]) for n, p in models.trainable(sess.student()))
     assert sess.tokenizer().eos_token_id == plain.tokenizer().eos_token_id
     got = sess.teacher().state_dict()
     assert got.keys() == teacher.keys() and all(torch.equal(got[k], teacher[k]) for k in teacher)
-    assert sess.loaded_ahead() == ["tokenizer", "teacher"]  # (in the order taken)
+    assert sess.loaded_ahead() == ["student_weights", "teacher_weights", "tokenizer", "teacher"]  # (as taken)
 
     d = sess.store.path("model", sess.prepared["teacher"])
     f = d / "model.safetensors"
     raw = bytearray(f.read_bytes())
     raw[-64:] = bytes(64)  # same size (prepare's shallow check passes), another hash (the deep one fails)
     f.write_bytes(bytes(raw))
-    again = session(work, "runtime.threads=1")
+    again = session(work, "runtime.threads=1", "runtime.dtype=bfloat16")
     again.store.verify_soon(d)
     again.load_ahead()
     again.student()
     got = again.teacher().state_dict()
     assert all(torch.equal(got[k], teacher[k]) for k in teacher)  # recomputed in line, the same weights
-    assert again.loaded_ahead() == [] and again.tokenizer() is not None and again.loaded_ahead() == ["tokenizer"]
+    assert again.loaded_ahead() == ["student_weights"]  # (its dir is undamaged)
+    assert again.tokenizer() is not None and again.loaded_ahead() == ["student_weights", "tokenizer"]
+    fp32 = session(work, "runtime.threads=1")  # stored bf16, computed in fp32: the teacher is read from its files
+    fp32.load_ahead()
+    fp32.student()
+    assert fp32.teacher().dtype == torch.float32 and fp32.loaded_ahead() == ["teacher"]

@@ -10,7 +10,7 @@ from torch.func import grad_and_value
 
 import numerics
 from stages import objectives, update
-from stages.blocks import adapters, config, lmhead, models
+from stages.blocks import adapters, config, lmhead, lora
 from stages.blocks.config import LoraCfg
 from support import seeds
 from engine_models import tiny
@@ -22,7 +22,7 @@ RESP = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18, 19, 20, 21]]
 def fixture(chunk: int, masks=None, mode="token-mean", seed: int = 0):
     cfg = config.compose(["objective.topk=8", f"train.chunk={chunk}", f"objective.loss_agg_mode={mode}"])
     sess = SimpleNamespace(cfg=cfg, device=torch.device("cpu"))
-    student = models.add_lora(tiny(seed=seed), LoraCfg(r=4, alpha=8), seed=3 + seed)
+    student = lora.add(tiny(seed=seed), LoraCfg(r=4, alpha=8), seed=3 + seed)
     with torch.no_grad():
         for n, p in student.named_parameters():
             if "lora_B" in n:

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file
 
-from . import models
+from . import lora, models
 from .config import LoraCfg, OptimCfg
 from .store import write_bytes
 
@@ -182,8 +182,8 @@ def save_adapter(student, out: Path, base_name: str) -> None:
 
 def merged(teacher, adapter_dir: Path, lcfg: LoraCfg):
     """The frozen teacher with a published adapter merged in (a plain model again)."""
-    model = models.add_lora(teacher, lcfg, 0)  # init values are overwritten by the load
-    models.load_lora(model, adapter_dir)
+    model = lora.add(teacher, lcfg, 0)  # init values are overwritten by the load
+    lora.load(model, adapter_dir)
     out = model.merge_and_unload()
     out.eval()
     out.requires_grad_(False)

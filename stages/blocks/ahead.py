@@ -8,7 +8,12 @@ starts the worker; once the student's weights and LoRA are in (the order the mem
 `Session.student` gives it the teacher's weights (where the plan keeps both models resident, the
 teacher is unquantized, as bitsandbytes' import is not made thread-safe, and no memory.vram_gib
 budget is set), then the tokenizer, then pandas, while the main thread publishes policy 0. The
-engine's capture joins the teacher's load (no capture sees another thread's device work). Given
+engine's capture joins the teacher's load (no capture sees another thread's device work). The
+models' tensors themselves are read from the start, the student's then the teacher's, while the
+main thread imports transformers (`weights`: safetensors' reads onto the device, which hold the
+interpreter for little more than one call per tensor; `weights_read` says whose), so each model's
+load is transformers making it of tensors already on the device (models.load's `weights`; in the
+dtype the run computes in, else from the files). Given
 the teacher while the LoRA was being built, the LoRA took 1.6-1.8 s instead of 0.6-0.7: each of
 its 448 small host-to-device copies queued on the one default stream behind the teacher's,
 whose loading threads also held the interpreter (benchmarks/results/2026-12-04-h200-756be39-first-update.md,
@@ -25,7 +30,7 @@ numbers (tests/test_session.py: the same teacher and policy 0 with the reads as 
 tests/gpu/test_gpu_warmup.py: the same published bytes), and a model dir is read only after its hash
 checks out (`verified`); one that fails, or any failure at all, leaves that read to the in-line
 path (`take` returns None), which recomputes the dir or reports the error as it always did.
-`Session.before_capture` joins the teacher's load: no CUDA graph capture sees another thread's
+`Session.before_capture` joins the teacher's reads: no CUDA graph capture sees another thread's
 device work.
 """
 from __future__ import annotations
@@ -33,6 +38,8 @@ from __future__ import annotations
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+
+import torch
 
 # The interpreter's switch interval while the construction's threads run (warm-up, reads ahead):
 # a thread waiting for the interpreter lock asks the running one to drop it only after this long
@@ -69,6 +76,9 @@ class Ahead:
     def __bool__(self) -> bool:  # started: jobs may be submitted
         return self._pool is not None
 
+    def __contains__(self, name: str) -> bool:  # a job of that name was submitted and not taken yet
+        return name in self._jobs
+
     def start(self) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="opd-ahead")
@@ -84,16 +94,46 @@ class Ahead:
         self.taken.append(name)
         return fut.result()
 
-    def join(self, name: str) -> None:
-        """Wait for the job to end, if one was started (its result stays for `take`)."""
-        if name in self._jobs:
-            self._jobs[name].exception()
+    def join(self, *names: str) -> None:
+        """Wait for the jobs to end, those that were started (their results stay for `take`)."""
+        for name in names:
+            if name in self._jobs:
+                self._jobs[name].exception()
+
+
+def weights_read(cfg, placement: str) -> list[str]:
+    """The models whose weights are read ahead, in the order they load: the student where it is
+    unquantized; the teacher where also the plan keeps both models resident, no memory.vram_gib budget
+    is set (it plans no room for the teacher's bytes arriving before the student's) and the teacher is
+    unquantized (bitsandbytes' import, which a quantized load makes, is not made thread-safe)."""
+    return [role for role, read in (("student", cfg.student.quant == "none"),
+                                    ("teacher", placement == "resident" and cfg.teacher.quant == "none"
+                                     and cfg.memory.vram_gib is None)) if read]
 
 
 def verified(store, d: Path, read, *args):
     """read(d, *args) once the store's hash of `d` checks out (joining the check started by
     Store.verify_soon), else None: a damaged dir is the in-line path's to recompute."""
     return read(d, *args) if store.verify(d) else None
+
+
+def weights(d: Path, device, dtype) -> dict | None:
+    """A model dir's safetensors tensors read onto `device` (safetensors' reads: the interpreter is free
+    while the bytes move), for models.load to make the model of; None where a tensor is stored in
+    another dtype than `dtype` (transformers would cast it, both copies on the device at once)."""
+    from safetensors import safe_open
+
+    stored = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}.get(dtype)
+    if device.type == "cuda":  # (an index, as safetensors parses a device)
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(f, framework="pt", device=str(device)) as fh:
+            keys = list(fh.keys())
+            if any(fh.get_slice(k).get_dtype() != stored for k in keys):
+                return None
+            out.update((k, fh.get_tensor(k)) for k in keys)
+    return out or None
 
 
 def tokenizer(d: Path):

@@ -9,15 +9,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import warnings
 import weakref
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from . import identity, imports, reproducible
-from .config import ROOT, LoraCfg, ModelCfg
+from .config import ROOT, ModelCfg
 from .errors import UserError
 from .store import Store, canonical, file_hash, seed_of
 
@@ -198,8 +196,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def load(model_dir: Path, mcfg: ModelCfg, device: torch.device, dtype: torch.dtype):
-    """Load a materialised model for inference or LoRA training (weights frozen)."""
+def load(model_dir: Path, mcfg: ModelCfg, device: torch.device, dtype: torch.dtype, weights: dict | None = None):
+    """Load a materialised model for inference or LoRA training (weights frozen). weights: its tensors
+    already read (stages/blocks/ahead.py `weights`, in `dtype` on `device`), which transformers then
+    takes as they are, without reading the files again."""
     imports.transformers()
     from transformers import AutoModelForCausalLM
 
@@ -218,7 +218,9 @@ def load(model_dir: Path, mcfg: ModelCfg, device: torch.device, dtype: torch.dty
         kw["device_map"] = {"": device}
     if device.type == "cuda":
         kw.setdefault("device_map", {"": device})  # load straight onto the GPU, no host staging copy
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kw)
+    model = _from_weights(model_dir, weights, dtype, kw) if weights is not None and mcfg.quant == "none" else None
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kw)
     if mcfg.quant == "none":
         model.to(device)
     elif device.type == "cpu":
@@ -233,14 +235,20 @@ def load(model_dir: Path, mcfg: ModelCfg, device: torch.device, dtype: torch.dty
     return model
 
 
-@contextmanager
-def peft_wrap_quietly():
-    """PEFT (0.21) wraps a model after reading `model.is_gradient_checkpointing`, an alias that
-    transformers 5 deprecates with a FutureWarning on every read; the read is PEFT's, not ours, so
-    only that one message is silenced, only around the wrap."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        yield
+def _from_weights(model_dir: Path, weights: dict, dtype: torch.dtype, kw: dict):
+    """The model of `model_dir` made by transformers from tensors already read (None: its class is not
+    one of transformers' own). The same model as from the files (tests/blocks/test_ahead.py)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    cls = getattr(transformers, (config.architectures or [""])[0], None)
+    if cls is None:
+        return None
+    model = cls.from_pretrained(None, config=config, state_dict=weights, dtype=dtype, **kw)
+    model.config._name_or_path = model.name_or_path = str(model_dir)  # (as from_pretrained(model_dir) sets it)
+    if (model_dir / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(model_dir)
+    return model
 
 
 def enable_activation_checkpointing(model, preserve_rng_state: bool) -> None:
@@ -296,31 +304,6 @@ def uncompile_layers(model) -> None:
     base.__dict__.pop("_opd_compiled", None)
     for layer in base.model.layers:
         layer._compiled_call_impl = None
-
-
-def add_lora(model, lcfg: LoraCfg, seed: int):
-    imports.bitsandbytes()  # (before peft, which imports it)
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)  # LoRA A init is random; B is zero, so policy 0 == the base model
-    cfg = LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
-                     target_modules=list(lcfg.target_modules), bias="none", task_type="CAUSAL_LM")
-    try:
-        with peft_wrap_quietly():
-            return get_peft_model(model, cfg)
-    except ValueError as e:
-        raise UserError(f"key 'lora.target_modules': {str(e).splitlines()[0]}") from None
-
-
-def load_lora(peft_model, adapter_dir: Path) -> None:
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    sd = load_file(adapter_dir / "adapter_model.safetensors")
-    res = set_peft_model_state_dict(peft_model, sd)
-    bad = [k for k in res.unexpected_keys if "lora_" in k]
-    if bad:
-        raise UserError(f"{adapter_dir}: adapter keys do not match the model ({bad[0]})")
 
 
 _MODULES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -16,7 +16,8 @@ import os
 from pathlib import Path
 
 from ..blocks.errors import UserError
-from ..blocks.models import peft_wrap_quietly, tokenizer_fingerprint
+from ..blocks.lora import peft_wrap_quietly
+from ..blocks.models import tokenizer_fingerprint
 from ..blocks.prompts import prompt_ids
 from .data import read_verl_parquet
 

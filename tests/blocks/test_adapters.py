@@ -72,11 +72,11 @@ def test_host_copy_is_a_snapshot_of_the_values_when_called():
 def test_adapter_state_names_and_values_are_peft_s_and_follow_the_live_parameters(tmp_path):
     from peft import get_peft_model_state_dict
 
-    from stages.blocks import models
+    from stages.blocks import lora, models
     from stages.blocks.config import LoraCfg
     from engine_models import tiny
 
-    student = models.add_lora(tiny(), LoraCfg(), 0)
+    student = lora.add(tiny(), LoraCfg(), 0)
     ref = get_peft_model_state_dict(student, save_embedding_layers=False)
     got = adapters.adapter_state(student)
     assert list(got) == list(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
@@ -93,11 +93,11 @@ def test_adapter_state_names_and_values_are_peft_s_and_follow_the_live_parameter
 
 
 def test_set_training_matches_module_train():
-    from stages.blocks import models
+    from stages.blocks import lora, models
     from stages.blocks.config import LoraCfg
     from engine_models import tiny
 
-    student = models.add_lora(tiny(), LoraCfg(dropout=0.1), 0)
+    student = lora.add(tiny(), LoraCfg(dropout=0.1), 0)
     for on in (True, False, True):
         models.set_training(student, on)
         assert all(m.training is on for m in student.modules())
@@ -111,11 +111,11 @@ def test_per_model_caches_do_not_keep_a_model_alive():
     import gc
     import weakref
 
-    from stages.blocks import models
+    from stages.blocks import lora, models
     from stages.blocks.config import LoraCfg
     from engine_models import tiny
 
-    student = models.add_lora(tiny(), LoraCfg(), 0)
+    student = lora.add(tiny(), LoraCfg(), 0)
     models.set_training(student, True)
     adapters.adapter_state(student)
     alive = weakref.ref(student)

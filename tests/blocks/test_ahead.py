@@ -1,5 +1,6 @@
 """stages/blocks/ahead.py: jobs on one worker thread, in order, taken once by name; a failed or
-empty job leaves the read to the caller (None)."""
+empty job leaves the read to the caller (None); a model made of its weights read ahead is the model
+models.load reads from its files."""
 from __future__ import annotations
 
 import threading
@@ -18,8 +19,9 @@ def test_jobs_run_in_order_on_one_thread_and_are_taken_once():
     gate.set()
     a.join("second")
     assert seen[0].startswith("opd-ahead") and seen[1] == "second"
+    assert "first" in a and "third" not in a
     assert a.take("first") == "one" and a.take("second") == 2 and a.taken == ["first", "second"]
-    assert a.take("first") is None  # once
+    assert a.take("first") is None and "first" not in a  # once
 
 
 def test_a_failed_or_empty_job_is_none_and_not_counted_as_taken():
@@ -57,3 +59,32 @@ def test_the_main_thread_is_favoured_until_restored():
         assert sys.getswitchinterval() == before
     finally:
         sys.setswitchinterval(before)
+
+
+def test_a_model_made_of_weights_read_ahead_is_the_one_from_its_files(tmp_path):
+    """ahead.weights + models.load(weights=): transformers takes the tensors read as they are (no copy)
+    and makes the model from_pretrained(dir) makes: class, config, generation config, name, parameters
+    (tied ones too) to the bit, the same logits; weights stored in another dtype are not read."""
+    import torch
+    from engine_models import tiny
+
+    from stages.blocks import models
+    from stages.blocks.config import ModelCfg
+
+    tiny(seed=4).to(torch.bfloat16).save_pretrained(tmp_path)
+    dev = torch.device("cpu")
+    w = ahead.weights(tmp_path, dev, torch.bfloat16)
+    assert w and {t.dtype for t in w.values()} == {torch.bfloat16}
+    read = {t.data_ptr() for t in w.values()}
+    got = models.load(tmp_path, ModelCfg(), dev, torch.bfloat16, w)
+    ref = models.load(tmp_path, ModelCfg(), dev, torch.bfloat16)
+    assert type(got) is type(ref) and got.config.to_dict() == ref.config.to_dict()
+    assert got.generation_config.to_dict() == ref.generation_config.to_dict() and got.name_or_path == ref.name_or_path
+    assert all(p.data_ptr() in read for p in got.parameters())  # taken as read
+    a, b = got.state_dict(), ref.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert got.lm_head.weight.data_ptr() == got.model.embed_tokens.weight.data_ptr()  # tied, as from the files
+    assert not any(p.requires_grad for p in got.parameters()) and not got.training
+    ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(got(ids).logits, ref(ids).logits)
+    assert ahead.weights(tmp_path, dev, torch.float32) is None  # (stored bf16: transformers would cast)

@@ -206,11 +206,11 @@ def test_activation_formula_matches_autograd_saved_tensors():
     against two) equal the plan's formula within 3%, in fp32 and bf16."""
     from engine_models import tiny
 
-    from stages.blocks import lmhead, models
+    from stages.blocks import lmhead, lora
 
     def saved(dtype, layers):
         m = tiny("tiny-llama-teacher", num_hidden_layers=layers).to(dtype).requires_grad_(False)
-        s = models.add_lora(m, LoraCfg(r=16), 1)
+        s = lora.add(m, LoraCfg(r=16), 1)
         p = lmhead.pack([[1] + list(range(100, 130)), [1] + list(range(200, 220))], [[5] * 9, [6] * 9],
                         [[1] * 9, [1] * 9], 2, "cpu")
         seen, params = {}, {q.untyped_storage().data_ptr() for q in s.parameters()}

@@ -13,7 +13,7 @@ from support import seeds, session
 from safetensors.torch import load_file
 
 from stages import train
-from stages.blocks import lmhead, models
+from stages.blocks import lmhead, lora, models
 from stages.blocks.config import LoraCfg, ModelCfg
 from stages.blocks.errors import UserError
 
@@ -47,7 +47,7 @@ def _grads(model_dir, quant, warm, seed=0):
 
 
 def _lora_grads(base, warm, seed=0):
-    s = models.add_lora(base, LoraCfg(r=4, alpha=8), 1)
+    s = lora.add(base, LoraCfg(r=4, alpha=8), 1)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in s.named_parameters():
@@ -97,7 +97,7 @@ def test_nf4_student_samples_with_the_engine_as_transformers_would(work):
 
     sess = session(work)
     base = models.load(sess.model_dir("student"), ModelCfg(quant="nf4"), torch.device("cpu"), torch.float32)
-    s = models.add_lora(base, LoraCfg(r=4, alpha=8), 1)
+    s = lora.add(base, LoraCfg(r=4, alpha=8), 1)
     with torch.no_grad():  # a non-trivial adapter: merging it must matter
         g = torch.Generator().manual_seed(0)
         for n, p in s.named_parameters():
@@ -125,7 +125,7 @@ def test_int8_student_keeps_the_transformers_fallback(work, capsys):
 
     sess = session(work)
     base = models.load(sess.model_dir("student"), ModelCfg(quant="int8"), torch.device("cpu"), torch.float32)
-    assert sampler.make(models.add_lora(base, LoraCfg(r=4, alpha=8), 1), use_graphs=False) is None
+    assert sampler.make(lora.add(base, LoraCfg(r=4, alpha=8), 1), use_graphs=False) is None
     assert "int8 base" in capsys.readouterr().err
 
 

@@ -108,10 +108,10 @@ def test_unsupported_architecture_falls_back_with_a_warning(capsys):
 
 
 def test_refresh_merges_a_lora_on_the_lm_head_too():
-    from stages.blocks import models
+    from stages.blocks import lora
     from stages.blocks.config import LoraCfg
 
-    model = models.add_lora(tiny(), LoraCfg(r=4, alpha=8, target_modules=["q_proj", "lm_head"]), seed=1)
+    model = lora.add(tiny(), LoraCfg(r=4, alpha=8, target_modules=["q_proj", "lm_head"]), seed=1)
     eng = sampler.make(model, use_graphs=False)
     with torch.no_grad():
         for n, p in model.named_parameters():

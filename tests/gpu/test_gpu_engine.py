@@ -107,14 +107,14 @@ def test_compiled_update_layers_match_eager_fp32():
     """runtime.compile's training layers (models.compile_layers): hidden states and LoRA gradients
     as eager computes them (fp32, TF32 off: fused kernels change only the rounding), for three
     lengths and batch sizes with one compilation (dynamic shapes), and eager again in eval mode."""
-    from stages.blocks import models
+    from stages.blocks import lora, models
     from stages.blocks.config import LoraCfg
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch._dynamo.utils.counters.clear()
     built = []
     for _ in range(2):
-        s = models.add_lora(tiny(initializer_range=0.05), LoraCfg(r=4, alpha=8), 3).to("cuda")
+        s = lora.add(tiny(initializer_range=0.05), LoraCfg(r=4, alpha=8), 3).to("cuda")
         with torch.no_grad():
             for _, p in models.trainable(s):
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to("cuda") * 0.05)

@@ -27,7 +27,8 @@ def test_warmup_changes_no_byte_and_reports_its_time(tmp_path, seeded_store):
     # the child compiled the engine's kernels (stages/blocks/warmup.py `_child`) and finished first
     assert "precompile_error" not in timings[on] and 0 < timings[on]["precompile_s"] < timings[on]["warmup_s"]
     assert "warmup_s" not in timings[off] and "precompile_s" not in timings[off]
-    assert timings[on]["loaded_ahead"] == ["tokenizer", "teacher"] and "loaded_ahead" not in timings[off]
+    assert timings[on]["loaded_ahead"] == ["student_weights", "teacher_weights", "tokenizer", "teacher"]
+    assert "loaded_ahead" not in timings[off]
     entries = {e for e in published(on / "artifacts") if e.split("/")[0] in ("init", "rollout", "score", "update")}
     assert entries == {e for e in published(off / "artifacts") if e.split("/")[0] in ("init", "rollout", "score", "update")}
     assert len(entries) == 7, sorted(entries)  # init + 2 steps x rollout/score/update

@@ -1,0 +1,21 @@
+"""lora.add on CUDA: the adapters moved to the device at once (`lora.moved_at_once`)
+hold what PEFT's own per-layer moves leave: the same values to the bit, dtypes, devices, flags."""
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_models import peft_alone, same_adapters, tiny
+
+from stages.blocks import lora
+from stages.blocks.config import LoraCfg
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lora_moved_at_once_on_cuda_equals_peft_moving_each(dtype):
+    lcfg = LoraCfg(r=4, alpha=8)
+    ours = lora.add(tiny(seed=2).to("cuda", dtype), lcfg, seed=7)
+    theirs = peft_alone(tiny(seed=2).to("cuda", dtype), lcfg, seed=7)
+    assert same_adapters(ours, theirs) == 2 * 7 * ours.config.num_hidden_layers
+    assert {p.device.type for p in ours.parameters()} == {"cuda"}

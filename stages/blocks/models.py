@@ -244,11 +244,22 @@ def _from_weights(model_dir: Path, weights: dict, dtype: torch.dtype, kw: dict):
     cls = getattr(transformers, (config.architectures or [""])[0], None)
     if cls is None:
         return None
-    model = cls.from_pretrained(None, config=config, state_dict=weights, dtype=dtype, **kw)
-    if torch.cuda.is_available() and kw.get("device_map"):
-        # transformers' caching_allocator_warmup reserved the model's bytes again for the copies its load
-        # makes from files, which these tensors did not need: cached, unused (reserved +1.87 GiB at 89e6bc8)
-        torch.cuda.empty_cache()
+    # transformers reserves the model's bytes on the device before a load (caching_allocator_warmup), for
+    # the copies a load from files makes; these tensors need none, and the block stayed cached, then split by
+    # later allocations: reserved 8.84 GiB against 6.97 before reading ahead (89e6bc8's runs, allocated the
+    # same); an empty_cache after the load freed it in one arm, not the other (15847d0). The main thread
+    # loads nothing meanwhile: the student's load ends before the teacher's starts on the worker.
+    import transformers.modeling_utils as mu
+
+    warmup = getattr(mu, "caching_allocator_warmup", None)
+    mu.caching_allocator_warmup = lambda *a, **k: None
+    try:
+        model = cls.from_pretrained(None, config=config, state_dict=weights, dtype=dtype, **kw)
+    finally:
+        if warmup is None:
+            del mu.caching_allocator_warmup
+        else:
+            mu.caching_allocator_warmup = warmup
     model.config._name_or_path = model.name_or_path = str(model_dir)  # (as from_pretrained(model_dir) sets it)
     if (model_dir / "generation_config.json").is_file():
         model.generation_config = transformers.GenerationConfig.from_pretrained(model_dir)

@@ -88,3 +88,24 @@ def test_a_model_made_of_weights_read_ahead_is_the_one_from_its_files(tmp_path):
     ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(0))
     assert torch.equal(got(ids).logits, ref(ids).logits)
     assert ahead.weights(tmp_path, dev, torch.float32) is None  # (stored bf16: transformers would cast)
+
+
+def test_a_load_from_weights_reserves_nothing_more_for_copies_it_does_not_make(tmp_path, monkeypatch):
+    """transformers reserves a model's bytes on its device before loading (caching_allocator_warmup);
+    tensors already there need no copies: models.load(weights=) skips it, and only for that load."""
+    import torch
+    import transformers.modeling_utils as mu
+    from engine_models import tiny
+
+    from stages.blocks import models
+
+    calls = []
+    monkeypatch.setattr(mu, "caching_allocator_warmup", lambda *a, **k: calls.append(a))
+    tiny(seed=4).to(torch.bfloat16).save_pretrained(tmp_path)
+    kw = {"device_map": {"": torch.device("cpu")}}  # (a device map is what makes transformers call it)
+    w = ahead.weights(tmp_path, torch.device("cpu"), torch.bfloat16)
+    models._from_weights(tmp_path, w, torch.bfloat16, kw)
+    assert calls == []
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, **kw)  # from the files: as before
+    assert len(calls) == 1

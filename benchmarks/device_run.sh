@@ -11,7 +11,9 @@
 #   device: run(command="bash benchmarks/device_run.sh [tests|bench|all|decode|first|sdpa]", carry=[".whl", ".bench"])
 #   (decode: benchmarks/decode_kernels.py's variants, OPD_DECODE_VARIANTS / OPD_DECODE_SHAPES;
 #    first: benchmarks/first_update.py, fresh processes' construction + first update, the last sampled
-#    by py-spy; OPD_FIRST_EXTRA: more of its options; sdpa: benchmarks/sdpa_first_call.py, the first
+#    by py-spy; OPD_FIRST_EXTRA: more of its options, e.g. "--sampler none --against-tree .ab/base" with
+#    the code before a change in .ab/base (here: `git archive REV stages conf | tar -x -C .ab/base`, .ab in
+#    .git/info/exclude, carried: carry=[".whl", ".bench", ".ab"]), interleaved with the code now; sdpa: benchmarks/sdpa_first_call.py, the first
 #    attention calls per SDPA backend at the seed shapes, a fresh process each)
 # The embedded GGUF model is over the carry limit, so tests take the tokenizer from .bench
 # (OPD_TEST_TOKENIZER) and the benchmark builds random-init models of the real shapes.
@@ -26,6 +28,8 @@
 # cache and the GPU tests outgrow one 600 s call: split them with OPD_TESTS, e.g.
 # "tests/gpu/test_gpu_identity.py tests/gpu/test_gpu_replay.py" and the rest: "tests
 # --ignore=tests/gpu/test_gpu_identity.py --ignore=tests/gpu/test_gpu_replay.py".
+# OPD_TESTS_K: a pytest -k expression for the GPU tests (OPD_TESTS splits on spaces: a -k expression with
+# spaces in it there selects nothing; 2026-12-04, 15847d0's call ran no test that way).
 # OPD_BENCH_EXTRA: more systems.py options, later ones win (e.g. "--ours default --peers miniverl").
 # OPD_PROFILE=1: also a torch.profiler table of one step and the rollout split (profile.txt); the first
 # update's construction is `first` (py-spy; cProfile distorted it).
@@ -88,7 +92,8 @@ if [ "$what" = sdpa ]; then
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # shellcheck disable=SC2086  # OPD_TESTS: pytest paths/options (a subset when one call cannot hold them all)
-  OPD_GPU_RECORD="$out/gpu-replay.json" python3 -m pytest -q -m gpu -p no:cacheprovider ${OPD_TESTS:-tests} 2>&1 \
+  OPD_GPU_RECORD="$out/gpu-replay.json" python3 -m pytest -q -m gpu -p no:cacheprovider ${OPD_TESTS:-tests} \
+    ${OPD_TESTS_K:+-k "$OPD_TESTS_K"} 2>&1 \
     | tee "$out/gpu-tests.log" | tail -25
   rc=${PIPESTATUS[0]}
 fi

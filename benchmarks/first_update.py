@@ -4,7 +4,7 @@ py-spy (a sampling profiler: unlike cProfile it does not slow each Python call, 
 calls through torch's dispatcher keep their real proportions).
 
     python benchmarks/first_update.py --tokenizer DIR --out DIR [--runs 2] [--sampler py-spy|py-spy-gil] [--smoke]
-        [--against runtime.warmup=false] [--cold]
+        [--against runtime.warmup=false] [--against-tree DIR] [--cold]
     python benchmarks/first_update.py --explain FILE.pyspy.gz --under 'make_graphed_callables' [--under ...]
 
 Writes <out>/first-update.json and .md: per process its wall time, `first_update_s` and
@@ -13,13 +13,17 @@ seconds per function (samples / rate), every thread's total, and the raw stacks 
 The first process runs on whatever compile caches the machine has; the later ones find them warm.
 --against KEY=VALUE (repeatable) runs as many processes more with those overrides, interleaved with
 the others (against, ours, against, ours: the same machine and caches), and the summary compares the
-two sets' first updates without the first process of all (cold caches).
+two sets' first updates without the first process of all (cold caches). --against-tree DIR runs
+the comparison set on another checkout's `stages` (e.g. `git archive REV stages conf | tar -x -C DIR`:
+the code before a change, interleaved with the code after it, where two sets one after the other
+also measure the machine's drift); the runs' params are this checkout's, so both must read them.
 """
 from __future__ import annotations
 
 import argparse
 import gzip
 import json
+import os
 import re
 import shutil
 import statistics
@@ -99,8 +103,10 @@ def under(raw: Path, name: str, top: int = 15) -> list[list]:
 
 
 def one_process(w: dict, work: Path, tok: str, tag: str, sampler: str | None, extra: tuple[str, ...],
-                cold: bool = False) -> dict:
+                cold: bool = False, tree: Path | None = None) -> dict:
     cmd, cwd, env, art = systems.one_update_run(w, work, tok, tag, extra)
+    if tree is not None:  # another checkout's stages, first on the path
+        env = {**env, "PYTHONPATH": f"{tree}{os.pathsep}{env['PYTHONPATH']}"}
     if cold:  # compile caches of its own, empty: Triton's and Inductor's (a fresh machine's first run)
         env = {**env, "TRITON_CACHE_DIR": str(cwd / "cold-triton"), "TORCHINDUCTOR_CACHE_DIR": str(cwd / "cold-inductor")}
     raw = cwd / "first-update.pyspy"
@@ -130,6 +136,16 @@ def one_process(w: dict, work: Path, tok: str, tag: str, sampler: str | None, ex
     return out
 
 
+def tree_imports(tree: Path) -> str:
+    """The stages package a process imports with `tree` first on its path, as --against-tree's do (an
+    installed checkout could otherwise win): its __init__.py, or the import's last error line."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tree), str(ROOT), os.environ.get("PYTHONPATH"))
+                                                       if p)}
+    r = subprocess.run([sys.executable, "-c", "import stages; print(stages.__file__)"], env=env, cwd=tree,
+                       capture_output=True, text=True)
+    return r.stdout.strip() or (r.stderr.strip().splitlines() or ["no output"])[-1]
+
+
 def compare(processes: list[dict], cold: bool = False) -> dict[str, list[float]]:
     """First updates per set (ours: first-N, the comparison: against-N), the first process of all left
     out (its compile caches were cold, the others' warm) unless every process ran cold."""
@@ -155,10 +171,12 @@ def markdown(res: dict) -> str:
     for p in res["processes"]:
         lines.append(f"| {p['name']} ({p.get('sampler', 'unsampled')}) | {p['process_wall_s']} | {p['first_update_s']} | "
                      f"{systems.pieces(p.get('startup_s') or {})} | {_warmup(p.get('warmup') or {})} |")
-    if res.get("against"):
+    if res.get("against") or res.get("against_tree"):
         which = ("every process on empty compile caches of its own (--cold), median:" if res.get("cold") else
                  "first update without the first process of all (cold caches), median over the rest:")
-        lines += ["", f"Against `{' '.join(res['against'])}` (the `against-N` processes), {which}", ""]
+        what = " ".join([*res.get("against", []), *([f"the stages of {res['against_tree']} ({res['against_imports']})"]
+                                                    if res.get("against_tree") else [])])
+        lines += ["", f"Against `{what}` (the `against-N` processes), {which}", ""]
         for name, vals in compare(res["processes"], res.get("cold", False)).items():
             lines.append(f"- {name}: {statistics.median(vals):.3f} s over {len(vals)} ({', '.join(f'{v:.3f}' for v in vals)})"
                          if vals else f"- {name}: no process to compare")
@@ -193,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], help="more overrides for our runs (key=value)")
     ap.add_argument("--against", action="append", default=[],
                     help="overrides (key=value) of a comparison set of processes, interleaved with ours")
+    ap.add_argument("--against-tree", type=Path, default=None,
+                    help="run the comparison set on this checkout's stages package (with --against's overrides, if any)")
     ap.add_argument("--cold", action="store_true",
                     help="every process on empty Triton and Inductor caches of its own (a fresh machine's first run)")
     args = ap.parse_args(argv)
@@ -214,12 +234,17 @@ def main(argv: list[str] | None = None) -> int:
            "device": torch.cuda.get_device_name(0) if systems.DEVICE == "cuda" else "cpu",
            "shape": w, "seed": systems.seed_store(w, work, tok), "processes": [], "against": args.against,
            "cold": args.cold}
+    tree = args.against_tree.resolve() if args.against_tree else None
+    if tree is not None:
+        res["against_tree"], res["against_imports"] = str(tree), tree_imports(tree)
+        if not res["against_imports"].startswith(str(tree)):
+            ap.error(f"--against-tree {tree}: its processes would import {res['against_imports']}, not its stages")
     args.out.mkdir(parents=True, exist_ok=True)
     for i in range(args.runs):
         last = i == args.runs - 1
-        if args.against:
+        if args.against or tree is not None:
             res["processes"].append(one_process(w, work, tok, f"against-{i + 1}", None, (*args.set, *args.against),
-                                                args.cold))
+                                                args.cold, tree))
         res["processes"].append(one_process(w, work, tok, f"first-{i + 1}", args.sampler if last else None,
                                             tuple(args.set), args.cold))
         (args.out / "first-update.json").write_text(json.dumps(res, indent=1) + "\n")

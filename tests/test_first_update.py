@@ -73,3 +73,21 @@ def test_cold_sets_compare_every_process_and_show_the_warmup_record():
     assert "every process on empty compile caches of its own (--cold)" in md
     assert "- ours: 8.800 s over 2 (8.500, 9.100)" in md and "- against: 9.950 s over 2 (9.500, 10.400)" in md
     assert "- against: 10.400 s over 1 (10.400)" in first_update.markdown(res)
+
+
+def test_against_tree_imports_that_trees_stages_and_the_summary_names_it(tmp_path):
+    """--against-tree: the comparison set imports the other checkout's stages (checked before any
+    process runs: a tree without one would silently run this checkout's), and the summary says which."""
+    tree = tmp_path / "before"
+    (tree / "stages").mkdir(parents=True)
+    (tree / "stages" / "__init__.py").write_text("")
+    assert first_update.tree_imports(tree) == str(tree / "stages" / "__init__.py")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert first_update.tree_imports(empty) == str(ROOT / "stages" / "__init__.py")  # (what main refuses)
+    procs = [{"name": n, "process_wall_s": 9.0, "first_update_s": t, "startup_s": {}}
+             for n, t in (("against-1", 9.0), ("first-1", 8.0), ("against-2", 7.5), ("first-2", 6.0))]
+    md = first_update.markdown({"device": "cpu", "torch": "x", "command": "c", "processes": procs, "against": [],
+                                "against_tree": str(tree), "against_imports": str(tree / "stages/__init__.py")})
+    assert f"Against `the stages of {tree} ({tree / 'stages/__init__.py'})`" in md
+    assert "- ours: 7.000 s over 2 (8.000, 6.000)" in md and "- against: 7.500 s over 1 (7.500)" in md

@@ -67,10 +67,10 @@ class Session:
             self._student = lora.add(base, self.cfg.lora, seed_of(self.init_digest()))
             self.mark("lora_built")
             if self._ahead:  # made beside policy 0, the engine and the rollout (stages/blocks/ahead.py)
-                c, path = self.cfg, lambda role: self.store.path("model", self.prepared[role])
+                path = lambda role: self.store.path("model", self.prepared[role])  # noqa: E731
                 if "teacher_weights" in self._ahead:  # (the worker has read them by now, or is reading them)
                     self._ahead.submit("teacher", lambda: ahead.verified(self.store, path("teacher"), models.load,
-                                       c.teacher, self.device, self.dtype, self._ahead.take("teacher_weights")))
+                                       self.cfg.teacher, self.device, self.dtype, self._ahead.take("teacher_weights")))
                 self._ahead.submit("tokenizer", ahead.verified, self.store, path("student"), ahead.tokenizer)
                 self._ahead.submit("pandas", ahead.import_pandas)
             if self.compiled_layers(self.cfg.student):

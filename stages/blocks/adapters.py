@@ -27,21 +27,23 @@ from .store import write_bytes
 
 # safetensors' dtype names, in the order its serialiser lays tensors out: by dtype (this rank,
 # highest first), then by name
-_DTYPES = {torch.bool: ("BOOL", 0), torch.uint8: ("U8", 1), torch.int8: ("I8", 2), torch.int16: ("I16", 3),
-           torch.float16: ("F16", 4), torch.bfloat16: ("BF16", 5), torch.int32: ("I32", 6),
-           torch.float32: ("F32", 7), torch.float64: ("F64", 8), torch.int64: ("I64", 9)}
+SAFETENSORS_DTYPES = {torch.bool: ("BOOL", 0), torch.uint8: ("U8", 1), torch.int8: ("I8", 2),
+                      torch.int16: ("I16", 3), torch.float16: ("F16", 4), torch.bfloat16: ("BF16", 5),
+                      torch.int32: ("I32", 6), torch.float32: ("F32", 7), torch.float64: ("F64", 8),
+                      torch.int64: ("I64", 9)}
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     """A safetensors file of host tensors: the header as safetensors writes it, then each tensor's
     bytes straight from its memory (no serialised copy; see the module docstring)."""
-    order = sorted(tensors, key=lambda n: (-_DTYPES[tensors[n].dtype][1], n))
+    order = sorted(tensors, key=lambda n: (-SAFETENSORS_DTYPES[tensors[n].dtype][1], n))
     header: dict = {"__metadata__": metadata} if metadata else {}
     off = 0
     for n in order:
         t = tensors[n]
         nb = t.numel() * t.element_size()
-        header[n] = {"dtype": _DTYPES[t.dtype][0], "shape": list(t.shape), "data_offsets": [off, off + nb]}
+        header[n] = {"dtype": SAFETENSORS_DTYPES[t.dtype][0], "shape": list(t.shape),
+                     "data_offsets": [off, off + nb]}
         off += nb
     h = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     h += b" " * (-len(h) % 8)  # the data starts 8-byte aligned

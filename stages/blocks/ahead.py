@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from . import adapters
+
 # The interpreter's switch interval while the construction's threads run (warm-up, reads ahead):
 # a thread waiting for the interpreter lock asks the running one to drop it only after this long
 # (Python's default: 5 ms), and the main thread gives the lock up at every torch call, so each of
@@ -102,13 +104,14 @@ class Ahead:
 
 
 def weights_read(cfg, placement: str) -> list[str]:
-    """The models whose weights are read ahead, in the order they load: the student where it is
-    unquantized; the teacher where also the plan keeps both models resident, no memory.vram_gib budget
-    is set (it plans no room for the teacher's bytes arriving before the student's) and the teacher is
-    unquantized (bitsandbytes' import, which a quantized load makes, is not made thread-safe)."""
-    return [role for role, read in (("student", cfg.student.quant == "none"),
-                                    ("teacher", placement == "resident" and cfg.teacher.quant == "none"
-                                     and cfg.memory.vram_gib is None)) if read]
+    """The models whose weights are read ahead, in the order they load: each where it is unquantized
+    (a quantized load reads its files itself; bitsandbytes' import is not made thread-safe) and its
+    class is transformers' own (models.load makes no other of tensors read: a remote-code model is
+    read from its files); the teacher only where the plan also keeps both models resident and no
+    memory.vram_gib budget is set (it plans no room for the teacher's bytes arriving before the student's)."""
+    own = lambda m: m.quant == "none" and not m.trust_remote_code  # noqa: E731
+    resident = placement == "resident" and cfg.memory.vram_gib is None
+    return [role for role, read in (("student", own(cfg.student)), ("teacher", own(cfg.teacher) and resident)) if read]
 
 
 def verified(store, d: Path, read, *args):
@@ -123,7 +126,7 @@ def weights(d: Path, device, dtype) -> dict | None:
     another dtype than `dtype` (transformers would cast it, both copies on the device at once)."""
     from safetensors import safe_open
 
-    stored = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}.get(dtype)
+    stored = adapters.SAFETENSORS_DTYPES[dtype][0]
     if device.type == "cuda":  # (an index, as safetensors parses a device)
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     out = {}

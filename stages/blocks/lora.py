@@ -55,27 +55,29 @@ def moved_at_once():
     layer's (compute) dtype, before building the next; `cast_adapter_dtype` then upcasts half precision
     to fp32. For the 360M student: 448 small blocking host-to-device copies, 0.535 s of the H200's first
     update (`python benchmarks/first_update.py --under LoraLayer.update_layer --explain
-    benchmarks/results/2026-12-04-h200-df4495c-first-update.pyspy.gz`). Here those moves wait until the LoRA is built and go as one copy
+    benchmarks/results/2026-12-04-h200-df4495c-first-update.pyspy.gz`). Here the moves of adapters that
+    are modules of floating parameters (a Linear's LoRA) wait until the LoRA is built and go as one copy
     per (device, dtype) of what PEFT's moves and upcast leave, each parameter a view of it: the same
-    values, dtypes and devices (tests/blocks/test_lora.py, tests/gpu/test_gpu_lora.py). Adapters holding
-    anything but floating parameters (none of LoRA's) are moved by PEFT's own code."""
+    values, dtypes and devices (tests/blocks/test_lora.py, tests/gpu/test_gpu_lora.py). Any other
+    adapter (an embedding's LoRA, parameters in ParameterDicts) PEFT moves as it always did."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     real, held = BaseTunerLayer._move_adapter_to_device_of_base_layer, {}
-    BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda layer, name, device=None: held.setdefault(
-        (id(layer), name), (layer, name, device))
+
+    def hold(layer, name, device=None):
+        tensors = _module_tensors(layer, name)
+        if tensors is None:
+            real(layer, name, device)
+        else:
+            held[(id(layer), name)] = (layer, device, tensors)
+
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = hold
     try:
         yield
     finally:
         BaseTunerLayer._move_adapter_to_device_of_base_layer = real
     groups: dict[tuple, list[torch.Tensor]] = {}  # (device, dtype moved to, dtype kept) -> tensors
-    for layer, name, device in held.values():
-        items = [d[name] for d in (getattr(layer, a, None) for a in layer.adapter_layer_names + layer.other_param_names)
-                 if isinstance(d, torch.nn.ModuleDict) and name in d]
-        tensors = [t for m in items for t in m.parameters()]
-        if any(list(m.buffers()) for m in items) or not all(t.is_floating_point() for t in tensors):
-            real(layer, name, device)
-            continue
+    for layer, device, tensors in held.values():
         base = layer.get_base_layer()
         base = base.out_proj if isinstance(base, torch.nn.MultiheadAttention) else base
         base_device, dtype = layer._get_base_layer_device_and_dtype(base)
@@ -88,3 +90,17 @@ def moved_at_once():
         flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to(moved).to(kept).to(device)  # [n]
         for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
             t.data = piece.view(t.shape)
+
+
+def _module_tensors(layer, name: str) -> list[torch.Tensor] | None:
+    """The tensors of adapter `name` in `layer` where every one is a floating parameter of a module in a
+    ModuleDict (what `moved_at_once` copies together), else None."""
+    dicts = [d for d in (getattr(layer, a, None) for a in layer.adapter_layer_names + layer.other_param_names)
+             if isinstance(d, torch.nn.Module) and name in d]  # (r, scaling: plain dicts, not modules)
+    if not all(isinstance(d, torch.nn.ModuleDict) for d in dicts):
+        return None  # (a ParameterDict, a BufferDict)
+    items = [d[name] for d in dicts]
+    tensors = [t for m in items for t in m.parameters()]
+    if any(list(m.buffers()) for m in items) or not all(t.is_floating_point() for t in tensors):
+        return None
+    return tensors

@@ -109,3 +109,17 @@ def test_a_load_from_weights_reserves_nothing_more_for_copies_it_does_not_make(t
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, **kw)  # from the files: as before
     assert len(calls) == 1
+
+
+def test_whose_weights_are_read_ahead():
+    """Unquantized models of transformers' own classes; the teacher only where both stay resident
+    without a memory budget (the plan's room for its bytes)."""
+    from stages.blocks import config
+
+    def read(*over: str, placement: str = "resident") -> list[str]:
+        return ahead.weights_read(config.compose(list(over)), placement)
+
+    assert read() == ["student", "teacher"]
+    assert read(placement="swap") == read(placement="shared_backbone") == read("memory.vram_gib=8") == ["student"]
+    assert read("student.quant=nf4") == ["teacher"] and read("teacher.quant=int8") == ["student"]
+    assert read("student.trust_remote_code=true", "teacher.trust_remote_code=true") == []

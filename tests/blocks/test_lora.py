@@ -46,3 +46,14 @@ def test_a_failed_lora_build_leaves_peft_as_it_was():
     with pytest.raises(Exception, match="lora.target_modules"):
         lora.add(tiny(), LoraCfg(target_modules=["no_such_module"]), seed=0)
     assert BaseTunerLayer._move_adapter_to_device_of_base_layer is real
+
+
+def test_an_embeddings_lora_is_moved_by_peft_and_the_rest_at_once():
+    """An embedding's LoRA keeps its adapters in ParameterDicts: PEFT moves and casts those itself (left to
+    the batch, they stayed fp32 as drawn, unrounded, and on the host); the Linear ones beside it go at once."""
+    lcfg = LoraCfg(r=4, alpha=8, target_modules=["embed_tokens", "q_proj"])
+    ours = lora.add(tiny(seed=2).to(torch.bfloat16), lcfg, seed=7)
+    theirs = peft_alone(tiny(seed=2).to(torch.bfloat16), lcfg, seed=7)
+    assert same_adapters(ours, theirs) == 2 + 2 * ours.config.num_hidden_layers
+    emb = ours.get_base_model().model.embed_tokens.lora_embedding_A["default"]
+    assert emb.dtype == torch.float32 and torch.equal(emb, emb.to(torch.bfloat16).float())

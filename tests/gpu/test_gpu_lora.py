@@ -12,10 +12,13 @@ from stages.blocks.config import LoraCfg
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("targets", [None, ["embed_tokens", "q_proj"]])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_lora_moved_at_once_on_cuda_equals_peft_moving_each(dtype):
-    lcfg = LoraCfg(r=4, alpha=8)
+def test_lora_moved_at_once_on_cuda_equals_peft_moving_each(dtype, targets):
+    """(An embedding's LoRA, in ParameterDicts, is PEFT's to move: left to the batch it stayed on the host.)"""
+    lcfg = LoraCfg(r=4, alpha=8, **({"target_modules": targets} if targets else {}))
     ours = lora.add(tiny(seed=2).to("cuda", dtype), lcfg, seed=7)
     theirs = peft_alone(tiny(seed=2).to("cuda", dtype), lcfg, seed=7)
-    assert same_adapters(ours, theirs) == 2 * 7 * ours.config.num_hidden_layers
+    per_layer = 2 * (1 if targets else 7)
+    assert same_adapters(ours, theirs) == per_layer * ours.config.num_hidden_layers + (2 if targets else 0)
     assert {p.device.type for p in ours.parameters()} == {"cuda"}

@@ -37,8 +37,8 @@ def test_run_produces_a_complete_run_view(work):
     # where the construction before the first update went: first times, in the loop's order
     timings = json.loads((run / "train.json").read_text())["timings"]
     up = timings["startup_s"]
-    order = ["prepared", "student_base_loaded", "lora_built", "student_loaded", "policy0_published", "engine_built", "rollout_done", "score_done",
-             "update_done"]
+    order = ["prepared", "student_base_loaded", "lora_built", "student_loaded", "policy0_published", "engine_built",
+             "rollout_done", "score_done", "update_done"]
     assert [up[e] for e in order] == sorted(up[e] for e in order) and up["prepared"] >= 0, up
     assert up["rollout_done"] <= up["teacher_loaded"] <= up["score_done"], up
     assert up["update_done"] <= timings["first_update_s"] <= timings["total_s"]

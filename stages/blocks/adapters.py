@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 from safetensors.torch import load_file
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import lora, models
 from .config import LoraCfg, OptimCfg
@@ -47,29 +48,59 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[st
         off += nb
     h = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     h += b" " * (-len(h) % 8)  # the data starts 8-byte aligned
-    data = [tensors[n].contiguous().reshape(-1).view(torch.uint8).numpy() for n in order]
-    write_bytes(path, struct.pack("<Q", len(h)), h, *data)
+    write_bytes(path, struct.pack("<Q", len(h)), h, *_raw_bytes([tensors[n] for n in order]))
+
+
+def _raw_bytes(tensors: list[torch.Tensor]) -> list:
+    """The tensors' bytes one after another, as numpy views of their memory: one per run of tensors
+    that lie back to back in one storage (`host_copy` lays each dtype's tensors out in the order
+    `save_tensors` writes them), so the file takes a write per run, not per tensor. A torch call per
+    tensor (`reshape`, `view`), and a write and a hash update per tensor, each give the interpreter
+    lock up and wait to get it back, up to the switch interval when another thread runs Python (as
+    the read-ahead thread does while policy 0 is published; numpy's slices and torch's metadata
+    reads keep the lock): benchmarks/switch_interval.py --what publish."""
+    whole: dict[int, object] = {}  # storage address -> its bytes (numpy uint8)
+    runs: list = []  # [storage address, start, end] or a numpy array (a tensor taken apart)
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+            runs.append(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() not in whole:
+            whole[st.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(st).numpy()
+        start = t.storage_offset() * t.element_size()
+        end = start + t.numel() * t.element_size()
+        if runs and isinstance(runs[-1], list) and runs[-1][0] == st.data_ptr() and runs[-1][2] == start:
+            runs[-1][2] = end
+        else:
+            runs.append([st.data_ptr(), start, end])
+    return [whole[r[0]][r[1]:r[2]] if isinstance(r, list) else r for r in runs]
 
 
 def host_copy(tensors: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.Tensor]]:
     """Snapshot `tensors` now; the returned function waits for the copy and gives host tensors
     (views into one buffer per dtype: hundreds of small LoRA tensors would each be a copy).
 
-    CUDA tensors: the snapshot is one `cat` per dtype on the current stream, in order with the
-    kernels that made the values (an optimizer step may change the originals right after: the
+    CUDA tensors: the snapshot is one flattening copy per dtype on the current stream, in order with
+    the kernels that made the values (an optimizer step may change the originals right after: the
     snapshot is private); it goes to pinned host memory on a side stream, and only the caller of
     the returned function waits for that copy. A blocking `.cpu()` would wait for everything queued
     before it and crawl through pageable memory (~26 ms per copy of adapter or moments on an H200).
-    Host tensors (on CPU runs, and AdamW's step count on CUDA ones) are copied right away."""
-    def groups(names) -> dict[torch.dtype, list[str]]:
-        out: dict[torch.dtype, list[str]] = {}
-        for n in names:
+    Host tensors (on CPU runs, and AdamW's step count on CUDA ones) are copied right away.
+    Both ways are a few torch calls per dtype, none per tensor (`_raw_bytes` says why)."""
+    def groups(names) -> dict[torch.dtype, list[str]]:  # names by name in each: safetensors' order, so
+        out: dict[torch.dtype, list[str]] = {}  # a file's tensors of one dtype are one run of its buffer
+        for n in sorted(names):
             out.setdefault(tensors[n].dtype, []).append(n)
         return out
 
+    def flat(names) -> torch.Tensor:  # [n], a copy (one tensor alone would come back as a view of it)
+        with torch.no_grad():  # (parameters in: no autograd record of the copy)
+            ts = [tensors[n] for n in names]
+            return _flatten_dense_tensors(ts) if len(ts) > 1 else ts[0].reshape(-1).clone()
+
     on_dev = groups(n for n, t in tensors.items() if t.device.type == "cuda")
     on_host = groups(n for n, t in tensors.items() if t.device.type != "cuda")
-    flat = lambda names: torch.cat([tensors[n].detach().reshape(-1) for n in names])  # noqa: E731
     parts = [(names, flat(names)) for names in on_host.values()]
     done = None
     if on_dev:
@@ -92,8 +123,11 @@ def host_copy(tensors: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.
             done.synchronize()
         out = {}
         for names, buf in parts:
-            for n, piece in zip(names, buf.split([shapes[n].numel() for n in names])):
-                out[n] = piece.view(shapes[n])
+            if all(shapes[n].numel() for n in names):  # (torch's unflatten makes an empty tensor 1-d)
+                out.update(zip(names, _unflatten_dense_tensors(buf, [tensors[n] for n in names])))
+            else:
+                for n, piece in zip(names, buf.split([shapes[n].numel() for n in names])):
+                    out[n] = piece.view(shapes[n])
         return out
 
     return result
@@ -106,7 +140,8 @@ def adapter_state(student) -> dict[str, torch.Tensor]:
     """The adapter's tensors under the names PEFT saves them (what PeftModel.from_pretrained reads).
     PEFT's get_peft_model_state_dict walks every module (~20 ms for a LoRA'd 360M model); the names
     do not change while the model lives, so the walk is done once per model and later calls read the
-    same parameters under the same names."""
+    same parameters under the same names. They are the live parameters, not detached views (a torch
+    call each): `host_copy` snapshots them without recording autograd."""
     keys = _STATE_KEYS.get(student)
     if keys is None:
         from peft import get_peft_model_state_dict
@@ -121,7 +156,7 @@ def adapter_state(student) -> dict[str, torch.Tensor]:
         if not all((v.data_ptr(), v.shape) in params for v in state.values()):
             return state  # (not every tensor is a parameter as it is: take PEFT's walk every time)
         keys = _STATE_KEYS[student] = {k: params[(v.data_ptr(), v.shape)] for k, v in state.items()}
-    return {k: p.detach() for k, p in keys.items()}
+    return dict(keys)
 
 
 def optimizer_state(opt, named) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import imports
 from .config import LoraCfg
@@ -86,10 +87,11 @@ def moved_at_once():
             moved = dtype if dtype is not None and dtype.is_floating_point else t.dtype
             kept = torch.float32 if moved.itemsize < 4 else moved  # (cast_adapter_dtype's upcast)
             groups.setdefault((torch.device(device), moved, kept), []).append(t)
-    for (device, moved, kept), tensors in groups.items():
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to(moved).to(kept).to(device)  # [n]
-        for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
-            t.data = piece.view(t.shape)
+    for (device, moved, kept), tensors in groups.items():  # (one torch call per group, not per tensor:
+        with torch.no_grad():  # each gives the interpreter lock up, adapters.host_copy says why)
+            flat = _flatten_dense_tensors(tensors).to(moved).to(kept).to(device)  # [n]
+        for t, piece in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+            t.data = piece
 
 
 def _module_tensors(layer, name: str) -> list[torch.Tensor] | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import xxhash
-from safetensors.torch import save_file
+from safetensors.torch import load_file as safe_load, save_file
 
 from stages.blocks import adapters, store
 
@@ -56,6 +56,63 @@ def test_save_tensors_writes_the_bytes_safetensors_writes(tmp_path):
         back = load_file(path)
         assert all(torch.equal(back[n], t) for n, t in ts.items())
         assert store.written_hash(path) == xxhash.xxh3_128_hexdigest(path.read_bytes())
+
+
+def test_save_tensors_of_views_into_shared_buffers_writes_safetensors_bytes(tmp_path):
+    """Tensors that are views of one buffer (what host_copy gives), back to back in the file's order
+    or not, among others of other buffers and non-contiguous ones: safetensors' bytes still."""
+    from safetensors.torch import save
+
+    g = torch.Generator().manual_seed(1)
+    for trial in range(100):
+        ts = _random_tensors(g)
+        if trial % 3 == 0:  # through host_copy: views of one buffer per dtype, laid out in the file's order
+            ts = adapters.host_copy(ts)()
+        elif ts:  # views of one buffer in a shuffled order, one transposed
+            names = list(ts)
+            order = torch.randperm(len(names), generator=g).tolist()
+            flat = torch.cat([ts[names[i]].to(torch.float32).reshape(-1) for i in order])
+            sizes = [ts[names[i]].numel() for i in order]
+            ts = {names[i]: piece.view(ts[names[i]].shape) for i, piece in zip(order, flat.split(sizes))}
+            ts["t"] = torch.randn(3, 2, generator=g).t()
+        path = tmp_path / f"{trial}.safetensors"
+        adapters.save_tensors(path, ts)
+        assert path.read_bytes() == save({n: t.contiguous() for n, t in ts.items()}), trial
+
+
+def test_a_snapshot_and_its_file_take_torch_calls_and_writes_per_dtype_not_per_tensor(tmp_path, monkeypatch):
+    """Each torch call that computes (a view, a reshape) and each write gives the interpreter lock up,
+    and waits for it up to the switch interval behind a thread running Python (the read-ahead thread
+    while policy 0 is published): their number must not grow with the adapter's tensors."""
+    from torch.overrides import TorchFunctionMode
+
+    # reads of a tensor's metadata, which keep the lock (benchmarks/switch_interval.py's module docstring)
+    keeps_lock = {"__get__", "numel", "element_size", "is_contiguous", "untyped_storage", "storage_offset",
+                  "data_ptr", "_set_grad_enabled"}
+
+    class Calls(TorchFunctionMode):
+        n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Calls.n += getattr(func, "__name__", "") not in keeps_lock
+            return func(*args, **(kwargs or {}))
+
+    parts = []
+    real = store.write_bytes
+    monkeypatch.setattr(adapters, "write_bytes", lambda path, *p: (parts.append(len(p)), real(path, *p)))
+    counts = []
+    for n in (4, 200):
+        ts = {f"base_model.layers.{i}.lora_{ab}.weight": torch.nn.Parameter(torch.randn(8, 4))
+              for i in range(n) for ab in "AB"}
+        ts["__step__"] = torch.tensor(3.0, dtype=torch.float64)
+        Calls.n = 0
+        with Calls():
+            adapters.save_tensors(tmp_path / f"{n}.safetensors", adapters.host_copy(ts)())
+        counts.append(Calls.n)
+    assert counts[0] == counts[1] and counts[1] < 20, counts
+    assert parts == [2 + 2, 2 + 2]  # length and header, then one run per dtype
+    back = safe_load(tmp_path / "200.safetensors")
+    assert torch.equal(back["base_model.layers.7.lora_B.weight"], ts["base_model.layers.7.lora_B.weight"].detach())
 
 
 def test_host_copy_is_a_snapshot_of_the_values_when_called():

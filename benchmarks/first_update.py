@@ -5,7 +5,7 @@ calls through torch's dispatcher keep their real proportions).
 
     python benchmarks/first_update.py --tokenizer DIR --out DIR [--runs 2] [--sampler py-spy|py-spy-gil] [--smoke]
         [--against runtime.warmup=false] [--against-tree DIR] [--cold]
-    python benchmarks/first_update.py --explain FILE.pyspy.gz --under 'make_graphed_callables' [--under ...]
+    python benchmarks/first_update.py --explain FILE.pyspy.gz --under 'make_graphed_callables' [--under ...] [--imports]
 
 Writes <out>/first-update.json and .md: per process its wall time, `first_update_s` and
 `timings.startup_s` (train.json), and for the sampled one the main thread's inclusive and own
@@ -99,6 +99,18 @@ def under(raw: Path, name: str, top: int = 15) -> list[list]:
         i = next((i for i, k in enumerate(body) if k.startswith(name)), None)
         if i is not None:
             c[body[i + 1] if i + 1 < len(body) else "(itself)"] += n
+    return seconds(c, top)
+
+
+def imports(raw: Path, name: str = "", top: int = 25) -> list[list]:
+    """The main thread's seconds importing each module (inclusive: the modules it imported count
+    too), inside the outermost frame whose key starts with `name` (anywhere when empty)."""
+    c = Counter()
+    for body, n in stacks(raw)[1]:
+        i = next((i for i, k in enumerate(body) if k.startswith(name)), None) if name else 0
+        if i is not None:
+            for mod in dict.fromkeys(k[len("<module> ("):-1] for k in body[i:] if k.startswith("<module> (")):
+                c[mod] += n
     return seconds(c, top)
 
 
@@ -202,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a recorded first-update.pyspy[.gz]: print where the main thread's time went under each "
                          "--under function, and measure nothing")
     ap.add_argument("--under", action="append", default=[], help="a function key's start, e.g. 'load (stages/'")
+    ap.add_argument("--imports", action="store_true",
+                    help="with --explain: seconds importing each module, under each --under function (or anywhere)")
     ap.add_argument("--tokenizer")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--runs", type=int, default=2, help="fresh processes, one after another")
@@ -220,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.under:
             print(f"\n{name}: s (main thread) per function it called\n" +
                   "\n".join(f"{v:8.3f}  {k}" for k, v in under(args.explain, name)))
+        for name in (args.under or [""]) if args.imports else ():
+            print(f"\n{name or 'the main thread'}: s importing each module (inclusive)\n" +
+                  "\n".join(f"{v:8.3f}  {k}" for k, v in imports(args.explain, name)))
         return 0
     if not (args.tokenizer and args.out):
         ap.error("--tokenizer and --out are needed to measure")

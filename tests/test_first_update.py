@@ -49,6 +49,14 @@ def test_summary_charges_each_function_once_per_stack_and_merges_lines(tmp_path)
     assert first_update.under(gz, "load (stages/") == [["<module> (sklearn/__init__.py)", 1.5],
                                                       ["from_pretrained (transformers/modeling_utils.py)", 0.5]]
     assert first_update.under(gz, "main (stages/cli.py)") == [["load (stages/blocks/models.py)", 2.0]]
+    # --imports: seconds per module imported, inclusive (the nested one counts in its importer too)
+    nested = tmp_path / "nested.pyspy"
+    nested.write_text(RAW.replace("sklearn/__init__.py:1) 300", "sklearn/__init__.py:1);<module> "
+                                  "(/x/lib/python3.12/site-packages/scipy/__init__.py:3) 300"))
+    assert first_update.imports(nested) == [["sklearn/__init__.py", 1.5], ["scipy/__init__.py", 1.5],
+                                            ["<frozen runpy>", 0.1]]
+    assert first_update.imports(nested, "from_pretrained") == []
+    assert first_update.imports(nested, "load (stages/") == [["sklearn/__init__.py", 1.5], ["scipy/__init__.py", 1.5]]
 
 
 def test_cold_sets_compare_every_process_and_show_the_warmup_record():

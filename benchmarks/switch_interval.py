@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -28,7 +29,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-_tree = sys.argv[sys.argv.index("--tree") + 1] if "--tree" in sys.argv[:-1] else str(ROOT)
+_tree = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--tree=")),
+             sys.argv[sys.argv.index("--tree") + 1] if "--tree" in sys.argv[:-1] else str(ROOT))
 sys.path.insert(0, _tree)  # (before the imports below: --tree's `stages`)
 import stages  # noqa: E402,F401  (before torch: the package's process settings)
 import torch  # noqa: E402
@@ -106,7 +108,7 @@ def prepared(what: str, device: str, lcfg: LoraCfg):
         p.grad = torch.zeros_like(p)
     opt.step()
     work = Path(tempfile.mkdtemp())
-    return lambda: publish(student, (opt, named), work)
+    return lambda: (publish(student, (opt, named), work), shutil.rmtree(work))
 
 
 def main() -> None:
@@ -115,7 +117,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--switch", default=f"0.005,{ahead.SWITCH_S}", help="intervals (s) for the busy runs")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--what", default="lora", help="lora, publish (comma-separated)")
+    ap.add_argument("--what", default="lora", help="calls, lora, publish (comma-separated)")
     ap.add_argument("--tree", default=None, help="import stages from this checkout")
     args = ap.parse_args()
     lcfg = LoraCfg()

@@ -59,21 +59,24 @@ def _raw_bytes(tensors: list[torch.Tensor]) -> list:
     lock up and wait to get it back, up to the switch interval when another thread runs Python (as
     the read-ahead thread does while policy 0 is published; numpy's slices and torch's metadata
     reads keep the lock): benchmarks/switch_interval.py --what publish."""
-    whole: dict[int, object] = {}  # storage address -> its bytes (numpy uint8)
-    runs: list = []  # [storage address, start, end] or a numpy array (a tensor taken apart)
+    whole: dict[tuple[int, int], object] = {}  # storage (address, bytes) -> its bytes (numpy uint8)
+    runs: list = []  # [storage key, start, end] or a numpy array (a tensor taken apart)
     for t in tensors:
-        if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+        if t.numel() == 0:  # (no bytes)
+            continue
+        if t.device.type != "cpu" or not t.is_contiguous():
             runs.append(t.contiguous().reshape(-1).view(torch.uint8).numpy())
             continue
         st = t.untyped_storage()
-        if st.data_ptr() not in whole:
-            whole[st.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(st).numpy()
+        key = (st.data_ptr(), st.nbytes())
+        if key not in whole:
+            whole[key] = torch.empty(0, dtype=torch.uint8).set_(st).numpy()
         start = t.storage_offset() * t.element_size()
         end = start + t.numel() * t.element_size()
-        if runs and isinstance(runs[-1], list) and runs[-1][0] == st.data_ptr() and runs[-1][2] == start:
+        if runs and isinstance(runs[-1], list) and runs[-1][0] == key and runs[-1][2] == start:
             runs[-1][2] = end
         else:
-            runs.append([st.data_ptr(), start, end])
+            runs.append([key, start, end])
     return [whole[r[0]][r[1]:r[2]] if isinstance(r, list) else r for r in runs]
 
 
@@ -87,7 +90,9 @@ def host_copy(tensors: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.
     the returned function waits for that copy. A blocking `.cpu()` would wait for everything queued
     before it and crawl through pageable memory (~26 ms per copy of adapter or moments on an H200).
     Host tensors (on CPU runs, and AdamW's step count on CUDA ones) are copied right away.
-    Both ways are a few torch calls per dtype, none per tensor (`_raw_bytes` says why)."""
+    Both ways are a few torch calls per dtype, not per tensor (`_raw_bytes` says why); what is left
+    per tensor is freeing its view once the caller drops it. The returned function holds the
+    buffers and their views, not `tensors`."""
     def groups(names) -> dict[torch.dtype, list[str]]:  # names by name in each: safetensors' order, so
         out: dict[torch.dtype, list[str]] = {}  # a file's tensors of one dtype are one run of its buffer
         for n in sorted(names):
@@ -99,9 +104,12 @@ def host_copy(tensors: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.
             ts = [tensors[n] for n in names]
             return _flatten_dense_tensors(ts) if len(ts) > 1 else ts[0].reshape(-1).clone()
 
+    def views(names, buf) -> list:  # (names, views into buf shaped as the tensors): metadata only
+        return [(names, _unflatten_dense_tensors(buf, [tensors[n] for n in names]))]
+
     on_dev = groups(n for n, t in tensors.items() if t.device.type == "cuda")
     on_host = groups(n for n, t in tensors.items() if t.device.type != "cuda")
-    parts = [(names, flat(names)) for names in on_host.values()]
+    parts = [v for names in on_host.values() for v in views(names, flat(names))]
     done = None
     if on_dev:
         snaps = [(names, flat(names)) for names in on_dev.values()]
@@ -114,21 +122,13 @@ def host_copy(tensors: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.
                 pinned = torch.empty(snap.shape, dtype=snap.dtype, pin_memory=True)
                 pinned.copy_(snap, non_blocking=True)
                 snap.record_stream(side)  # (its memory is reused only after the side stream read it)
-                parts.append((names, pinned))
+                parts += views(names, pinned)  # (the values land before `result` waits for `done`)
         done.record(side)
-    shapes = {n: t.shape for n, t in tensors.items()}
 
     def result() -> dict[str, torch.Tensor]:
         if done is not None:
             done.synchronize()
-        out = {}
-        for names, buf in parts:
-            if all(shapes[n].numel() for n in names):  # (torch's unflatten makes an empty tensor 1-d)
-                out.update(zip(names, _unflatten_dense_tensors(buf, [tensors[n] for n in names])))
-            else:
-                for n, piece in zip(names, buf.split([shapes[n].numel() for n in names])):
-                    out[n] = piece.view(shapes[n])
-        return out
+        return {n: v for names, vs in parts for n, v in zip(names, vs)}
 
     return result
 

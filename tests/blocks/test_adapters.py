@@ -65,9 +65,10 @@ def test_save_tensors_of_views_into_shared_buffers_writes_safetensors_bytes(tmp_
 
     g = torch.Generator().manual_seed(1)
     for trial in range(100):
-        ts = _random_tensors(g)
+        ts = want = _random_tensors(g)
         if trial % 3 == 0:  # through host_copy: views of one buffer per dtype, laid out in the file's order
             ts = adapters.host_copy(ts)()
+            assert {n: t.shape for n, t in ts.items()} == {n: t.shape for n, t in want.items()}
         elif ts:  # views of one buffer in a shuffled order, one transposed
             names = list(ts)
             order = torch.randperm(len(names), generator=g).tolist()
@@ -75,9 +76,10 @@ def test_save_tensors_of_views_into_shared_buffers_writes_safetensors_bytes(tmp_
             sizes = [ts[names[i]].numel() for i in order]
             ts = {names[i]: piece.view(ts[names[i]].shape) for i, piece in zip(order, flat.split(sizes))}
             ts["t"] = torch.randn(3, 2, generator=g).t()
+            want = ts
         path = tmp_path / f"{trial}.safetensors"
         adapters.save_tensors(path, ts)
-        assert path.read_bytes() == save({n: t.contiguous() for n, t in ts.items()}), trial
+        assert path.read_bytes() == save({n: t.contiguous() for n, t in want.items()}), trial
 
 
 def test_a_snapshot_and_its_file_take_torch_calls_and_writes_per_dtype_not_per_tensor(tmp_path, monkeypatch):
@@ -107,8 +109,10 @@ def test_a_snapshot_and_its_file_take_torch_calls_and_writes_per_dtype_not_per_t
         ts["__step__"] = torch.tensor(3.0, dtype=torch.float64)
         Calls.n = 0
         with Calls():
-            adapters.save_tensors(tmp_path / f"{n}.safetensors", adapters.host_copy(ts)())
+            snap = adapters.host_copy(ts)()
+            adapters.save_tensors(tmp_path / f"{n}.safetensors", snap)
         counts.append(Calls.n)
+        assert not any(t.requires_grad for t in snap.values())  # (parameters in: no autograd record)
     assert counts[0] == counts[1] and counts[1] < 20, counts
     assert parts == [2 + 2, 2 + 2]  # length and header, then one run per dtype
     back = safe_load(tmp_path / "200.safetensors")

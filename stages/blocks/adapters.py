@@ -59,25 +59,25 @@ def _raw_bytes(tensors: list[torch.Tensor]) -> list:
     lock up and wait to get it back, up to the switch interval when another thread runs Python (as
     the read-ahead thread does while policy 0 is published; numpy's slices and torch's metadata
     reads keep the lock): benchmarks/switch_interval.py --what publish."""
-    whole: dict[tuple[int, int], object] = {}  # storage (address, bytes) -> its bytes (numpy uint8)
-    runs: list = []  # [storage key, start, end] or a numpy array (a tensor taken apart)
+    whole: dict = {}  # storage (address, bytes), or a tensor taken apart (its id) -> its bytes (numpy uint8)
+    runs: list[list] = []  # [key into whole, start, end]
     for t in tensors:
         if t.numel() == 0:  # (no bytes)
             continue
         if t.device.type != "cpu" or not t.is_contiguous():
-            runs.append(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-            continue
-        st = t.untyped_storage()
-        key = (st.data_ptr(), st.nbytes())
-        if key not in whole:
-            whole[key] = torch.empty(0, dtype=torch.uint8).set_(st).numpy()
-        start = t.storage_offset() * t.element_size()
+            key, start = id(t), 0
+            whole[key] = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+        else:
+            st = t.untyped_storage()
+            key, start = (st.data_ptr(), st.nbytes()), t.storage_offset() * t.element_size()
+            if key not in whole:
+                whole[key] = torch.empty(0, dtype=torch.uint8).set_(st).numpy()
         end = start + t.numel() * t.element_size()
-        if runs and isinstance(runs[-1], list) and runs[-1][0] == key and runs[-1][2] == start:
+        if runs and runs[-1][0] == key and runs[-1][2] == start:
             runs[-1][2] = end
         else:
             runs.append([key, start, end])
-    return [whole[r[0]][r[1]:r[2]] if isinstance(r, list) else r for r in runs]
+    return [whole[key][start:end] for key, start, end in runs]
 
 
 def host_copy(tensors: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.Tensor]]:
@@ -104,12 +104,12 @@ def host_copy(tensors: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.
             ts = [tensors[n] for n in names]
             return _flatten_dense_tensors(ts) if len(ts) > 1 else ts[0].reshape(-1).clone()
 
-    def views(names, buf) -> list:  # (names, views into buf shaped as the tensors): metadata only
-        return [(names, _unflatten_dense_tensors(buf, [tensors[n] for n in names]))]
+    def views(names, buf) -> tuple:  # (names, views into buf shaped as the tensors): metadata only
+        return names, _unflatten_dense_tensors(buf, [tensors[n] for n in names])
 
     on_dev = groups(n for n, t in tensors.items() if t.device.type == "cuda")
     on_host = groups(n for n, t in tensors.items() if t.device.type != "cuda")
-    parts = [v for names in on_host.values() for v in views(names, flat(names))]
+    parts = [views(names, flat(names)) for names in on_host.values()]
     done = None
     if on_dev:
         snaps = [(names, flat(names)) for names in on_dev.values()]
@@ -122,7 +122,7 @@ def host_copy(tensors: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.
                 pinned = torch.empty(snap.shape, dtype=snap.dtype, pin_memory=True)
                 pinned.copy_(snap, non_blocking=True)
                 snap.record_stream(side)  # (its memory is reused only after the side stream read it)
-                parts += views(names, pinned)  # (the values land before `result` waits for `done`)
+                parts.append(views(names, pinned))  # (the values land before `result` waits for `done`)
         done.record(side)
 
     def result() -> dict[str, torch.Tensor]:

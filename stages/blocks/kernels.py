@@ -194,6 +194,9 @@ if triton is not None:
             tl.store(dst + d, x1)
             tl.store(dst + D // 2 + d, x2)
 
+else:  # (decode_attention.py imports the name whether or not Triton is there)
+    _rotate = None
+
 
 @torch.library.custom_op("opd::project", mutates_args=())
 def project(x: torch.Tensor, w: torch.Tensor, norm_w: torch.Tensor | None, bias: torch.Tensor | None,

@@ -5,9 +5,11 @@ The README's commands are the lines of its fenced ```bash blocks (a trailing `\\
 - in COVERED, which names the test that exercises it (checked to exist), or
 - run here, in a fresh copy of a workspace that holds a finished tiny run, with the tiny test
   models swapped in (TINY overrides for `opd run/params/stage`; PLACEHOLDERS for example paths and
-  ids), and must exit 0.
+  ids); it must exit 0 and pass its check in EXPECT: what the command is for (the file it writes,
+  the figure it prints, the rows it selects), not only its exit code.
 A command that is in neither fails `test_every_readme_command_is_covered_or_runnable` (it is
-collected as a runnable one and fails if it does not run).
+collected as a runnable one and fails if it does not run), and one without a check fails
+`test_every_runnable_command_has_a_check`.
 """
 from __future__ import annotations
 
@@ -35,7 +37,9 @@ COVERED = {
     "./install.sh test && .venv/bin/python -m pytest -q -n 2":
         "tests/test_readme.py::test_quick_start_is_cis_contract",
     "dvc repro": "tests/integration/test_dvc_plots.py::test_history_has_the_columns_the_issue_asks",
-    "dvc exp run -S train.updates=48 -S objective.topk=16":
+    "git add dvc.lock && git commit -m \"baseline\"":
+        "tests/test_readme.py::test_the_baseline_commit_gives_dvc_exp_show_its_baseline",
+    "dvc exp run -S objective.topk=16 -S optim.lr=1e-3":
         "tests/integration/test_dvc_plots.py::test_exp_show_and_plots_diff_compare_experiments",
     "dvc exp show --only-changed": "tests/integration/test_dvc_plots.py::test_exp_show_and_plots_diff_compare_experiments",
     "dvc plots diff": "tests/integration/test_dvc_plots.py::test_exp_show_and_plots_diff_compare_experiments",
@@ -47,12 +51,225 @@ COVERED = {
 }
 # Example names in the README -> what stands in for them here (filled in by the `workspace` fixture).
 PLACEHOLDERS = ("/models/my-student", "/models/my-teacher", "/data/train.parquet", "s0003-p00034-0")
-# Checks beyond "exits 0" for some commands: substring of stdout, or a file the command writes.
+
+
+# ---- what each runnable command is for ----
+# Each check gets the finished process, the workspace it ran in, the stand-ins for the README's example
+# names and the store's stage dirs before it ran. The base workspace holds a 3-update tiny run in the
+# `default` view, 4 prompts per step.
+
+def _json(work: Path, rel: str):
+    return json.loads((work / rel).read_text())
+
+
+def _store(work: Path) -> set[str]:
+    return {str(p.relative_to(work)) for p in (work / "artifacts" / "store").glob("*/*") if p.is_dir()}
+
+
+def _published_nothing(work: Path, before: set[str]) -> None:
+    assert _store(work) == before, f"published {sorted(_store(work) - before)}"
+
+
+def _finished(r, work: Path, updates: int, run: str = "default") -> dict:
+    assert f"train: {updates} updates" in r.stdout, r.stdout
+    view = _json(work, f"artifacts/runs/{run}/view.json")
+    assert view["complete"] and sorted(map(int, view["digests"]["steps"])) == list(range(1, updates + 1))
+    return _json(work, f"artifacts/runs/{run}/config.json")
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_params(r, work, subs, before):
+    """`opd params` composes conf/ with the overrides into params.yaml (and computes nothing)."""
+    import yaml
+
+    assert "wrote params.yaml" in r.stdout
+    p = yaml.safe_load((work / "params.yaml").read_text())
+    assert p["train"]["updates"] == 96
+    _published_nothing(work, before)
+
+
+def check_named_run(r, work, subs, before):
+    """A run of its own name: 4 updates in `runs/short`, responses of at most 16 tokens, and the
+    `default` view left as it was."""
+    import pyarrow.parquet as pq
+
+    cfg = _finished(r, work, 4, "short")
+    assert cfg["rollout"]["max_new_tokens"] == 16
+    rollout = pq.read_table(work / "artifacts/runs/short/step-0004/rollout.parquet")
+    lens = [len(x) for x in rollout.column("response_ids").to_pylist()]
+    assert lens and max(lens) <= 16
+    assert sorted(map(int, _json(work, "artifacts/runs/default/view.json")["digests"]["steps"])) == [1, 2, 3]
+
+
+def check_one_stage(r, work, subs, before):
+    """`opd stage rollout --step 3` runs against the same store: step 3's rollout of the finished run
+    is found published (nothing recomputed) and its path printed."""
+    path = work / r.stdout.strip().splitlines()[-1].split(": ", 1)[1]
+    assert path.name == "rollout.parquet"
+    assert path.resolve() == (work / "artifacts/runs/default/step-0003/rollout.parquet").resolve()
+    _published_nothing(work, before)
+
+
+def check_models(names):
+    def check(r, work, subs, before):
+        """Student and teacher from the given models: the run finished with them, and prepare
+        recorded two different models sharing one tokenizer."""
+        cfg = _finished(r, work, 1)
+        for role, name in zip(("student", "teacher"), names):
+            assert cfg[role]["name"] == subs.get(name, name)
+        prep = _json(work, "artifacts/runs/default/prepare.json")
+        assert prep["student"] != prep["teacher"] and prep["tokenizer"]
+    return check
+
+
+def check_own_prompts(r, work, subs, before):
+    """Prompts from a verl-schema Parquet: the rows with split `test` are held out, the rest train."""
+    import pyarrow.parquet as pq
+
+    _finished(r, work, 1)
+    rows = pq.read_table(subs["/data/train.parquet"])
+    splits = [(x or {}).get("split") for x in rows.column("extra_info").to_pylist()]
+    prep = _json(work, "artifacts/runs/default/prepare.json")
+    assert splits.count("test") > 0 and prep["num_eval"] == splits.count("test")
+    assert prep["num_train"] == len(splits) - splits.count("test")
+
+
+def check_plan(r, work, subs, before):
+    """`opd plan` prints each phase's memory and the peak, from shapes alone (nothing loaded or published)."""
+    for phase in ("rollout total", "score total", "update total"):
+        assert phase in r.stdout, phase
+    assert re.search(r"peak [\d.]+ GiB \((rollout|score|update)\)", r.stdout), r.stdout
+    _published_nothing(work, before)
+
+
+def _gaps(work: Path, step: int) -> dict[str, float]:
+    """Each trajectory's mean |teacher - student| log-prob gap, from the run view's Parquet."""
+    import pyarrow.parquet as pq
+
+    d = work / f"artifacts/runs/default/step-{step:04d}"
+    ro = {r["uid"]: r for r in pq.read_table(d / "rollout.parquet").to_pylist()}
+    sc = {r["uid"]: r for r in pq.read_table(d / "scores.parquet").to_pylist()}
+    return {u: sum(abs(t - s) for t, s in zip(sc[u]["teacher_logprobs"], ro[u]["sample_logprobs"]))
+            / len(ro[u]["sample_logprobs"]) for u in ro}
+
+
+def check_worst(r, work, subs, before):
+    """`--step 3 --worst 2`: the two trajectories of step 3 with the largest mean gap, largest first."""
+    shown = re.findall(r"(s\d{4}-p\d{5}-\d+)\s+finish=\S+\s+mean \|gap\|=([\d.]+)", r.stdout)
+    gaps = _gaps(work, 3)
+    worst = sorted(gaps, key=gaps.get, reverse=True)[:2]
+    assert [u for u, _ in shown] == worst, (shown, gaps)
+    assert all(abs(float(g) - gaps[u]) < 1e-3 for u, g in shown)
+    _published_nothing(work, before)
+
+
+def check_uid_json(r, work, subs, before):
+    """`--uid U --format json`: that one trajectory, its tokens and both log-prob lists aligned."""
+    (rec,) = json.loads(r.stdout)
+    assert rec["uid"] == subs["s0003-p00034-0"] and rec["step"] == 3
+    n = len(rec["response_ids"])
+    assert n > 0 and len(rec["tokens"]) == len(rec["sample_logprobs"]) == len(rec["teacher_logprobs"]) == n
+    assert abs(rec["mean_gap"] - _gaps(work, 3)[rec["uid"]]) < 1e-4
+
+
+def check_report(r, work, subs, before):
+    """One self-contained HTML page with the run's trajectories in it (no script, style or image from the web)."""
+    assert "report: report.html" in r.stdout
+    html = (work / "report.html").read_text()
+    assert html.lstrip().lower().startswith("<!doctype html") or "<html" in html[:500].lower()
+    assert not re.search(r"<(script|link|img)\b[^>]*\b(src|href)=[\"']?https?:", html)
+    assert any(uid in html for uid in _gaps(work, 3)), "no trajectory of the run in the page"
+    _published_nothing(work, before)
+
+
+def check_pandas(r, work, subs, before):
+    """pandas reads the run view's Parquet: every trajectory of step 1, uid and response text."""
+    assert "response_text" in r.stdout
+    assert sorted(re.findall(r"s0001-p\d{5}-\d+", r.stdout)) == sorted(_gaps(work, 1))
+
+
+def check_duckdb(r, work, subs, before):
+    """DuckDB over every step's rollout: one row per trajectory, ordered by mean sampled log-prob."""
+    rows = re.findall(r"(s\d{4}-p\d{5}-\d+)\s*│\s*(\d+)\s*│\s*(-?[\d.]+)", r.stdout)
+    assert len(rows) == sum(len(_gaps(work, k)) for k in (1, 2, 3)), r.stdout
+    means = [float(m) for _, _, m in rows]
+    assert means == sorted(means)
+
+
+def check_doctor(r, work, subs, before):
+    assert "ready: no blockers" in r.stdout
+    assert re.search(r"^ok\s+artifacts dir\s", r.stdout, re.M)
+
+
+def check_export(out: str, merged: bool = False):
+    def check(r, work, subs, before):
+        """The final policy of the run the view holds, copied: a PEFT adapter, its base and a manifest
+        whose digests are the run's and whose hashes are the files'; --merged adds a model without
+        LoRA weights. Export never trains."""
+        from safetensors import safe_open
+
+        d = work / out
+        m = _json(work, f"{out}/manifest.json")
+        view = _json(work, "artifacts/runs/default/view.json")
+        assert m["digests"]["final_policy"] == view["digests"]["final_policy"]
+        assert m["sha256"] and all(_sha256(d / rel) == h for rel, h in m["sha256"].items())
+        assert (d / "adapter/adapter_config.json").exists() and (d / "base/config.json").exists()
+        if merged:
+            with safe_open(str(d / "merged/model.safetensors"), "pt") as f:
+                keys = list(f.keys())
+            assert keys and not any("lora" in k for k in keys)
+        _published_nothing(work, before)
+    return check
+
+
+def check_default_run(r, work, subs, before):
+    _finished(r, work, 1)
+
+
+def check_verl_bundle(r, work, subs, before):
+    """A launchable bundle: a warm start from the last published update to train.updates, sized for
+    2 nodes x 4 GPUs with 4 serving the teacher, every file listed in SHA256SUMS with its hash."""
+    b = work / "bundle"
+    c = _json(work, "bundle/compat.json")
+    assert c["launchable"] is True and c["reasons"] == []
+    cont = c["continuation"]
+    assert cont["kind"] == "warm start" and cont["from_update"] == 3 and cont["from_update"] + cont["steps"] == 1000
+    cluster, teacher = c["sizing"]["cluster"], c["sizing"]["teacher"]
+    assert (cluster["nodes"], cluster["gpus_per_node"], teacher["gpus"]) == (2, 4, 4)
+    sums = dict(reversed(line.split("  ", 1)) for line in (b / "SHA256SUMS").read_text().splitlines())
+    files = {str(p.relative_to(b)) for p in b.rglob("*") if p.is_file() and p.name != "SHA256SUMS"}
+    assert set(sums) == files and all(_sha256(b / f) == h for f, h in sums.items())
+    assert os.access(b / "launch.sh", os.X_OK)
+
+
 EXPECT = {
-    "opd params train.updates=48 objective.topk=16": ("wrote params.yaml", "params.yaml"),
-    "opd run run=short train.updates=4 rollout.max_new_tokens=16": ("train: 4 updates", "artifacts/runs/short/step-0004"),
-    "opd report default --out report.html": ("report: report.html", "report.html"),
-    "opd doctor": ("ready: no blockers", None),
+    "opd params train.updates=96": check_params,
+    "opd run run=short train.updates=4 rollout.max_new_tokens=16": check_named_run,
+    "opd stage rollout --step 3": check_one_stage,
+    "opd run student.name=HuggingFaceTB/SmolLM2-135M-Instruct teacher.name=HuggingFaceTB/SmolLM2-360M-Instruct "
+    "student.keep_layers=0":
+        check_models(("HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-360M-Instruct")),
+    "opd run student.name=/models/my-student teacher.name=/models/my-teacher student.keep_layers=0":
+        check_models(("/models/my-student", "/models/my-teacher")),
+    "opd run data.path=/data/train.parquet data.prompt_key=prompt": check_own_prompts,
+    "opd plan --profile verl-opd-v0.8-single-gpu-v1 --config builtin:smollm2-360m-1.7b-opd": check_plan,
+    "opd inspect default --step 3 --worst 2": check_worst,
+    "opd inspect default --uid s0003-p00034-0 --format json": check_uid_json,
+    "opd report default --out report.html": check_report,
+    "python -c \"import pandas as pd; print(pd.read_parquet('artifacts/runs/default/step-0001/rollout.parquet')"
+    "[['uid', 'response_text']])\"": check_pandas,
+    "python -c \"import duckdb; duckdb.sql(\\\"SELECT uid, len(response_ids) AS tokens, list_avg(sample_logprobs) AS "
+    "mean_logp FROM 'artifacts/runs/default/step-*/rollout.parquet' ORDER BY mean_logp\\\").show()\"": check_duckdb,
+    "opd doctor": check_doctor,
+    "opd stage export --out exported": check_export("exported"),
+    "opd stage export run=default --merged": check_export("artifacts/export/default", merged=True),
+    "opd run": check_default_run,
+    "opd stage export --verl bundle --gpus 4 --nodes 2 --teacher-gpus 4 train.updates=1000": check_verl_bundle,
 }
 CI_RUN = ROOT / ".ci" / "run"
 
@@ -110,6 +327,43 @@ def test_every_covered_command_is_in_the_readme_and_its_test_exists():
         assert cmd in cmds, f"stale COVERED entry: {cmd!r} is no longer in the README"
         path, _, name = where.partition("::")
         assert re.search(rf"^def {re.escape(name)}\(", (ROOT / path).read_text(), flags=re.M), where
+
+
+def test_every_runnable_command_has_a_check():
+    """Every command run here is checked for what it is for (EXPECT), and every check is for a command
+    the README still has."""
+    assert set(RUNNABLE) - set(EXPECT) == set(), "README commands without a check in EXPECT"
+    assert set(EXPECT) - set(RUNNABLE) == set(), "stale EXPECT entries: no longer README commands"
+
+
+def test_the_baseline_commit_gives_dvc_exp_show_its_baseline(tmp_path, seeded_store):
+    """README's baseline step, as written, after `dvc repro` in a git repository of the project: it
+    commits dvc.lock, the one file the run adds for git (the outputs are in DVC's cache), leaves
+    nothing uncommitted, and `dvc exp show` then has a baseline row with the run's metrics, which
+    experiments are compared against (tests/integration/test_dvc_plots.py runs the experiments)."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    from integration.dvcrepo import copy_project, dvc, sh
+
+    (line,) = [c for c in readme_commands() if c.startswith("git ")]
+    d = tmp_path / "project"
+    copy_project(d)
+    shutil.copy2(ROOT / ".dvc" / ".gitignore", d / ".dvc" / ".gitignore")  # (a clone has it)
+    for part in ("tokenizer", "model"):
+        shutil.copytree(seeded_store / part, d / "artifacts" / "store" / part)
+    sh("git", "init", "-q", cwd=d)
+    opd("params", *TINY, cwd=d)
+    sh("git", "add", "-A", cwd=d)
+    sh("git", "commit", "-qm", "the project", cwd=d)
+    dvc("repro", cwd=d)
+    assert sh("git", "status", "--porcelain", cwd=d).stdout.split() == ["??", "dvc.lock"]
+    sh("bash", "-c", line, cwd=d)
+    assert sh("git", "status", "--porcelain", cwd=d).stdout == ""
+    assert sh("git", "show", "--name-only", "--format=", "HEAD", cwd=d).stdout.split() == ["dvc.lock"]
+    rows = json.loads(dvc("exp", "show", "--json", cwd=d).stdout)
+    baseline = next(r for r in rows if r["rev"] != "workspace")
+    metrics = baseline["data"]["metrics"]["artifacts/runs/default/metrics.json"]["data"]
+    assert metrics["updates"] == 3 and metrics["eval"]["final"]["on_teacher_text"]["kl"] > 0
 
 
 def test_every_readme_command_is_covered_or_runnable():
@@ -211,10 +465,7 @@ def test_readme_command_runs(cmd, base, tmp_path):
     argv = with_tiny(argv)
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "HF_HUB_CACHE": str(base["hub"]),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    before = _store(work)
     r = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"{shlex.join(argv)}\nexit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    if cmd in EXPECT:
-        out, path = EXPECT[cmd]
-        assert out in r.stdout, r.stdout
-        if path:
-            assert (work / path).exists(), path
+    EXPECT[cmd](r, work, base["subs"], before)

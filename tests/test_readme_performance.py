@@ -1,15 +1,37 @@
-"""README's measured figures are generated from committed records (byte for byte): the performance
-table from the benchmark result, the default run's figures and answers from the record of README
-line 1 (which must also be a run of today's default config)."""
+"""The measured figures in README.md and docs/performance.md are generated from committed records (byte
+for byte): both performance tables from one benchmark result (README's compact, docs/performance.md's
+full), the default run's figures and answers from the record of README line 1 (which must also be a run
+of today's default config)."""
 import subprocess
 import sys
 
 from support import ROOT
 
 
-def test_performance_table_matches_the_result_file():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "readme_table.py"), "--check"], cwd=ROOT)
-    assert r.returncode == 0, "README's performance table is stale: run python benchmarks/readme_table.py"
+def test_performance_tables_match_the_result_file():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "readme_table.py"), "--check"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, f"{r.stderr}: run python benchmarks/readme_table.py"
+
+
+def test_readme_and_performance_md_quote_the_same_run():
+    """README's compact table and docs/performance.md's full one name the same result file, and the
+    README's figures (time per update, rollout rate, speed-up) are the full table's."""
+    import re
+
+    def block(path):
+        return path.read_text().split("<!-- performance:begin", 1)[1].split("<!-- performance:end -->", 1)[0]
+
+    readme, full = block(ROOT / "README.md"), block(ROOT / "docs" / "performance.md")
+    src = re.compile(r"`(benchmarks/results/[\w.-]+-systems\.json)`")
+    assert src.search(readme).group(1) == src.search(full).group(1)
+    assert (ROOT / src.search(readme).group(1)).exists()
+    assert len(readme.splitlines()) <= 12 < len(full.splitlines())  # compact in the README, full in the doc
+    per_update = re.search(r"^\| time per update[^|]*\| ([\d.]+) s \| ([\d.]+) s \(([\d.]+)x ours\)", readme, re.M)
+    assert f"| {per_update.group(1)} s | {per_update.group(2)} s |" in full
+    assert f"| {per_update.group(3)}x | 1x |" in full
+    rate = re.search(r"^\| rollout \(sampling\) \| ([\d.]+) tok/s", readme, re.M).group(1)
+    assert f"| {rate} tok/s |" in full
 
 
 def test_default_run_figures_match_the_record_of_readme_line_1():
@@ -40,7 +62,8 @@ def test_arms_missing_from_the_table_run_come_from_their_newest_run(tmp_path, mo
     old, new = run("old.json", [("ckpt", 0.31), ("nf4", 0.4)]), run("new.json", [("ckpt", 0.32)])
     monkeypatch.setattr(readme_table, "ROOT", tmp_path)  # (paths are printed relative to it)
     lines = readme_table._earlier_arms([old, new], {"eager"})
-    assert len(lines) == 2 and lines[0].startswith("Arm ckpt") and "`new.json`): 0.32 s/update" in lines[0]
-    assert lines[1].startswith("Arm nf4") and "`old.json`): 0.4 s/update" in lines[1]
-    assert "the default there: 0.2 s/update" in lines[0]
+    rows = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| arm ")]
+    assert len(rows) == 2 and rows[0].startswith("| ckpt | `new.json` | 0.32 |")
+    assert rows[1].startswith("| nf4 | `old.json` | 0.4 |")
+    assert rows[0].endswith("| 0.2 s/update, peak 5.00 GiB |")  # that run's default, not the table run's
     assert readme_table._earlier_arms([old, new], {"ckpt", "nf4"}) == []

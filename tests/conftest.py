@@ -2,6 +2,7 @@
 tests copy instead of rebuilding, and a helper that drives the real `opd` console script."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,42 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Under CI (CI=true, ./install.sh test) every test runs but those that need CUDA (the `gpu` marker, or a
+# reason that says CUDA) and the one root cannot run (it ignores directory permissions): any other skip
+# is a test CI should have run, listed after the short summary, and it fails the session.
+CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
+CI_ALLOWED_SKIPS = ("CUDA", "root ignores directory permissions")
+_unexpected_skips: list[str] = []
+
+
+def _note_skip(report) -> None:
+    if not CI or not report.skipped or hasattr(report, "wasxfail"):  # (an xfail reports as skipped)
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if "gpu" not in getattr(report, "keywords", {}) and not any(a in reason for a in CI_ALLOWED_SKIPS):
+        _unexpected_skips.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_runtest_logreport(report):
+    _note_skip(report)  # (under xdist the controller gets every worker's reports: counted there once)
+
+
+def pytest_collectreport(report):
+    _note_skip(report)  # a whole module skipped at import (pytest.importorskip at its top)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _unexpected_skips:
+        terminalreporter.section("skips CI does not allow (CI=true)", red=True)
+        for line in _unexpected_skips:
+            terminalreporter.line(line)
+
+
+def pytest_sessionfinish(session):  # noqa: F811  (pytest passes the hook's argument by this name)
+    if _unexpected_skips and not hasattr(session.config, "workerinput") and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True)

@@ -53,9 +53,10 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("rollout", 2, ("rollout", "data.max_prompt_tokens", "data.truncation", "student.quant",
                          "student.double_quant", "env", "train.seed") + RUNTIME,
           ("policy", "prompts", "student", "tasks"), "train"),
-    # score 2: position selection (`selected` column)
-    Stage("score", 2, ("objective", "train.chunk", "selection", "rollout.temperature", "teacher_mode",
-                       "teacher.quant", "teacher.double_quant") + RUNTIME,
+    # score 2: position selection (`selected` column). Of the objective it reads only what the teacher
+    # must record (objectives.needs: the name) and how many top-k entries; the rest is the update's
+    Stage("score", 2, ("objective.name", "objective.topk", "train.chunk", "selection", "rollout.temperature",
+                       "teacher_mode", "teacher.quant", "teacher.double_quant") + RUNTIME,
           ("rollout", "teacher", "teacher_adapter"), "train"),
     # update 3: reads both (`reward`, `selected`)
     Stage("update", 3, ("objective", "optim", "lora", "train.chunk", "rollout.temperature",
@@ -68,7 +69,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           ("policy", "policy_stage", "tasks", "student"), None),
     # probe 2: peaks exclude what the process held on the device before the probe loaded its models;
     # 3: the score and update forwards replay CUDA graphs (runtime.cuda_graphs)
-    Stage("probe", 3, ("lora.r", "lora.target_modules", "objective", "memory.vram_gib", "runtime.cuda_graphs"),
+    Stage("probe", 3, ("lora.r", "lora.target_modules", "objective.name", "objective.topk", "memory.vram_gib",
+                       "runtime.cuda_graphs"),
           (), None),
 )}
 # the training loop itself (stages/train.py) reads how many updates to run

@@ -66,7 +66,7 @@ if [ "${1:-}" = test ]; then
   # shellcheck disable=SC2086
   pip install -q -c "$cons" $VERL_DEPS
 fi
-# Side installs for tests (tests/verl, tests/blocks/test_imports.py): exact pins, --no-deps, outside the venv's site-packages
+# Side installs for tests (tests/verl, tests/weights/test_imports.py): exact pins, --no-deps, outside the venv's site-packages
 # (tests/side.py holds the pins and puts them first on a subprocess's PYTHONPATH; it also creates them
 # on first use, from PyPI; OPD_SIDE_DIR moves them from ~/.cache/opd-stages/side):
 #   transformers==4.57.6 tokenizers==0.22.2 huggingface_hub==0.36.2  (verl 0.8.0's vLLM pin needs transformers<5)
@@ -75,7 +75,7 @@ fi
 #   transformers==5.17.0 huggingface_hub==1.33.0 httpx==0.29.0 httpcore==1.0.9 scikit-learn==1.9.1 scipy==1.17.1 joblib==1.6.0 threadpoolctl==3.8.0 narwhals==2.29.0
 #   (the GPU machine's transformers, which imports scikit-learn with its generation code)
 if [ "${1:-}" = test ]; then python tests/side.py; fi
-# Triton, for the fused decode kernels' CPU tests (tests/blocks/test_kernels.py runs them through its
+# Triton, for the fused decode kernels' CPU tests (tests/engine/test_kernels.py runs them through its
 # interpreter); CPU builds of torch do not depend on it. --no-deps: it declares none torch needs.
 if [ "${1:-}" = test ] && ! python -c "import triton" 2>/dev/null; then pip install -q --no-deps triton==3.9.0; fi
 # The HTML report's test renders it in headless Chromium (Debian's package): install it where we

@@ -156,7 +156,7 @@ def write_prompts(tok, w: dict, work: Path) -> tuple[Path, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from stages.blocks import tables
+    from stages.rows import tables
 
     n_train = w["prompts"] * w["updates"]
     msgs = exact_length_prompts(tok, n_train + 4, w["prompt_tokens"])

@@ -1,6 +1,6 @@
 """The rollout engine's decode step, kernel variants side by side on one GPU: one step (32 or 28
 layers over one new token per sequence, the LM head and the draw) captured in a CUDA graph and
-replayed, per variant of stages/blocks/decoder.py:
+replayed, per variant of stages/engine/decoder.py:
 
   eager      the layer eager (~20 kernels per layer)
   compiled   the layer through torch.compile, cuBLAS matmuls, SDPA (the engine's default until 2026-12-02)
@@ -18,7 +18,7 @@ replayed, per variant of stages/blocks/decoder.py:
   fused      decoder.fused_layer through torch.compile (the engine's default at dc11211, and past
              kernels.MAX_ROWS rows, workload b, today: there it is decoder.layer with rope_attention
              for the attention, around cuBLAS's matmuls): the projections
-             as stages/blocks/kernels.py's `project` launches, RMSNorm, SiLU gate and residual adds
+             as stages/engine/kernels.py's `project` launches, RMSNorm, SiLU gate and residual adds
              folded in. Options after colons: fused:w1:s2048 = one warp per program (kernels.WARPS),
              2,048 weight elements per program (kernels.SLAB)
   wt         compiled, each matmul as the transposed product w @ x^T (cuBLAS sees a tall-skinny
@@ -30,7 +30,7 @@ replayed, per variant of stages/blocks/decoder.py:
              length-bucketed decode graph would read instead of the whole static cache)
   stack      the whole step's forward (all layers and the head) as one compilation, so that Inductor
              may fuse across layer boundaries (the engine compiles one layer and calls it per layer)
-and the draw alone (decoder.pick): stages/blocks/draw.py's kernels, torch's passes eager, and compiled.
+and the draw alone (decoder.pick): stages/engine/draw.py's kernels, torch's passes eager, and compiled.
 A kernels or fused variant with ':nodraw' draws with torch's passes (draw.ON), e.g. kernels:nodraw. (Matmuls and attention as reductions
 for Inductor, `rows`, were measured at a483038 and lost: results/2026-12-01-h200-decode-kernels-rows.md;
 a hand-written Triton matmul for the step's few rows, `skinny`, at 7fbcb21 and lost to cuBLAS at
@@ -53,7 +53,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from stages.blocks import decode_attention, decoder, draw, kernels, models
+from stages.engine import decode_attention, decoder, draw, kernels
+from stages.weights import models
 
 SLAB, WARPS, ATTENTION, PDL, DRAW = kernels.SLAB, kernels.WARPS, decode_attention.ATTENTION, kernels.PDL, draw.ON
 ATTN_TILE, ATTN_KV_ROWS, ATTN_KV_BLOCK = decode_attention.ATTN_TILE, decode_attention.ATTN_KV_ROWS, decode_attention.ATTN_KV_BLOCK
@@ -212,7 +213,7 @@ def run_shape(name: str, deadline: float, reps: int, variants: list[str]) -> dic
         if lg is not None and ref is not None:
             row["max_abs_logit_diff_vs_eager"] = float((lg - ref).abs().max())
             row["argmax_agree_vs_eager"] = float((lg.argmax(-1) == ref.argmax(-1)).float().mean())
-    # the draw alone: stages/blocks/draw.py's kernels, torch's passes eager, and those compiled, each captured
+    # the draw alone: stages/engine/draw.py's kernels, torch's passes eager, and those compiled, each captured
     V = W["head"].shape[0]
     g = torch.Generator(device="cuda").manual_seed(1)
     logits = torch.randn(B, V, generator=g, device="cuda") * 3

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 import decode_kernels as dk
-from stages.blocks import decoder, models
+from stages.engine import decoder
+from stages.weights import models
 
 
 def main() -> None:

@@ -115,7 +115,7 @@ def readme_text(rec: dict) -> str:
 
 def default_config_digest() -> str:
     sys.path.insert(0, str(ROOT))
-    from stages.blocks import config, runview
+    from stages.run import config, runview
 
     return runview.config_digest(config.compose([], config.conf_dir()))
 
@@ -137,7 +137,7 @@ def check() -> int:
 def _cpu() -> str:
     """The CPU as every stage's stack record names it (model and ISA)."""
     sys.path.insert(0, str(ROOT))
-    from stages.blocks import reproducible
+    from stages.run import reproducible
 
     return reproducible.stack()["cpu"]
 

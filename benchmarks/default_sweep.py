@@ -154,7 +154,7 @@ def main() -> None:
 def _cpu() -> str:
     """The CPU as every stage's stack record names it (model and ISA)."""
     sys.path.insert(0, str(ROOT))
-    from stages.blocks import reproducible
+    from stages.run import reproducible
 
     return reproducible.stack()["cpu"]
 

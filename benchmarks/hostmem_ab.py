@@ -1,4 +1,4 @@
-"""Our CPU step with and without stages/blocks/hostmem.py's malloc settings, alternating runs.
+"""Our CPU step with and without stages/memory/hostmem.py's malloc settings, alternating runs.
 
     python benchmarks/hostmem_ab.py [--pairs 4] [--out benchmarks/results]
 

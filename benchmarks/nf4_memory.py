@@ -1,5 +1,5 @@
 """Where the NF4 seed workload's GPU memory goes (CUDA): random-init SmolLM2-360M / 1.7B saved as
-bf16, loaded NF4 through `stages.blocks.models.load`, then one rollout (transformers fallback, as
+bf16, loaded NF4 through `stages.weights.models.load`, then one rollout (transformers fallback, as
 the pipeline samples a quantized base), one teacher scoring pass and one LoRA update forward+backward
 of the seed shapes (4 x (128 + 64) tokens). Per step: allocated after it, its peak, and the largest
 live allocations at the peak (torch's allocator history, with the Python frame that made them).
@@ -23,8 +23,9 @@ sys.path.insert(0, str(ROOT))
 import stages  # noqa: E402,F401  (before torch: MKL's mode)
 import torch  # noqa: E402
 
-from stages.blocks import lmhead, lora, models, sampler  # noqa: E402
-from stages.blocks.config import LoraCfg, ModelCfg  # noqa: E402
+from stages.engine import lmhead, sampler
+from stages.weights import lora, models  # noqa: E402
+from stages.run.config import LoraCfg, ModelCfg  # noqa: E402
 
 GIB = 2**30
 
@@ -109,7 +110,8 @@ def probe_phases(tokenizer: str, tmp: Path) -> dict:
     """The pipeline probe with NF4 both, its `phase` wrapped to snapshot what is live at each exit."""
     from contextlib import contextmanager
 
-    from stages.blocks import config, plan
+    from stages.run import config
+    from stages.memory import plan
     from stages.tools import probe
 
     tok = str(Path(tokenizer).resolve())

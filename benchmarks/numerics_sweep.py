@@ -32,14 +32,14 @@ TESTS = [
     "tests/conformance/test_verl_conformance.py",
     "tests/test_update.py::test_chunked_equals_unchunked_values_and_gradients",
     "tests/test_update.py::test_loss_is_token_mean_over_response_tokens",
-    "tests/blocks/test_sampler.py::test_sample_logprobs_match_teacher_forced_recompute",
-    "tests/blocks/test_quant.py::test_nf4_lora_gradients_equal_the_dequantized_models",
+    "tests/engine/test_sampler.py::test_sample_logprobs_match_teacher_forced_recompute",
+    "tests/weights/test_quant.py::test_nf4_lora_gradients_equal_the_dequantized_models",
     "tests/test_placement.py::test_shared_backbone_teacher_equals_a_separate_copy",
     "tests/test_placement.py::test_oom_halves_the_chunk_records_retries_and_publishes_the_same",
-    "tests/blocks/test_tooluse.py::test_rollout_logprobs_are_the_students_on_the_whole_trajectory",
-    "tests/blocks/test_tooluse.py::test_privileged_teacher_prompt_differs_but_scores_the_same_tokens",
+    "tests/rows/test_tooluse.py::test_rollout_logprobs_are_the_students_on_the_whole_trajectory",
+    "tests/rows/test_tooluse.py::test_privileged_teacher_prompt_differs_but_scores_the_same_tokens",
     "tests/test_sft.py::test_protocol_sft_teacher_is_base_plus_adapter",
-    "tests/blocks/test_plan.py",
+    "tests/memory/test_plan.py",
 ]
 SETTINGS = {"default": "default", "avx2": "avx2", "native": None}
 # how each test's bound is derived (the comments at each comparison say it in full)

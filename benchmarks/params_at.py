@@ -16,7 +16,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stages.blocks import graphs
+from stages.engine import graphs
 
 
 def per_call_ms(fn, n: int = 200) -> float:

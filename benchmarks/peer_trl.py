@@ -14,7 +14,7 @@ import torch
 
 # our process-age reading, loaded by path: importing the `stages` package would also apply its
 # process settings (malloc, MKL) to the peer's process
-_spec = importlib.util.spec_from_file_location("hostmem", Path(__file__).resolve().parent.parent / "stages/blocks/hostmem.py")
+_spec = importlib.util.spec_from_file_location("hostmem", Path(__file__).resolve().parent.parent / "stages/memory/hostmem.py")
 hostmem = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(hostmem)
 

@@ -30,7 +30,8 @@ def overrides(shape: dict, extra: list[str]) -> list[str]:
 
 
 def main(path: str) -> None:
-    from stages.blocks import config, plan
+    from stages.run import config
+    from stages.memory import plan
 
     src = Path(path)
     result = json.loads(src.read_text())

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from stages.blocks import prompts, rewards
+from stages.rows import prompts, rewards
 
 N, B, STEPS = 50_000, 64, 10
 

@@ -44,12 +44,12 @@ OPS = ("embedding", "linear", "scaled_dot_product_attention", "rms_norm", "softm
 
 def child(ops: bool) -> None:
     sys.path.insert(0, str(ROOT))
-    from stages.blocks import reproducible
+    from stages.run import reproducible
 
     reproducible.set_env()
     import torch
 
-    from stages.blocks import sampler
+    from stages.engine import sampler
 
     sys.path.insert(0, str(ROOT / "tests"))
     from engine_models import tiny, with_trained_lora
@@ -63,7 +63,7 @@ def child(ops: bool) -> None:
     prompts = [[1] + list(range(100 + 37 * b, 127 + 44 * b)) for b in range(4)]
     kept = []
     if ops:  # a copy of the first 300 op outputs of the decoder (torch.nn.functional), hashed after the run
-        from stages.blocks import decoder
+        from stages.engine import decoder
 
         def keep(name, f):
             def g(*a, **k):

@@ -2,7 +2,7 @@
 of many small torch calls (each gives the interpreter lock up and waits to get it back) alone, and
 beside a thread running Python bytecode (as the read-ahead thread's imports, tokenizer and pandas
 do during the construction: docs/architecture.md, "Startup") at each given interval: Python's
-default 5 ms, and the construction's (stages/blocks/ahead.py).
+default 5 ms, and the construction's (stages/weights/ahead.py).
 
     python benchmarks/switch_interval.py --out DIR [--repeats 5] [--device cuda] [--switch 0.005,0.0001]
         [--what lora,publish] [--tree DIR]
@@ -35,8 +35,8 @@ sys.path.insert(0, _tree)  # (before the imports below: --tree's `stages`)
 import stages  # noqa: E402,F401  (before torch: the package's process settings)
 import torch  # noqa: E402
 
-from stages.blocks import adapters, ahead, lora  # noqa: E402
-from stages.blocks.config import LoraCfg, OptimCfg  # noqa: E402
+from stages.weights import adapters, ahead, lora  # noqa: E402
+from stages.run.config import LoraCfg, OptimCfg  # noqa: E402
 
 
 def base(device: str):

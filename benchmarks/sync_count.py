@@ -39,7 +39,7 @@ def main(argv=None) -> int:
 
     from stages import rollout, score, train, update
     from stages import session as session_mod
-    from stages.blocks import config
+    from stages.run import config
     from support import TINY
 
     work = Path(tempfile.mkdtemp(prefix="opd-sync-"))

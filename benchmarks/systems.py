@@ -98,7 +98,8 @@ def seed_store(w: dict, work: Path, tokenizer: str) -> dict:
     from transformers import AutoTokenizer
 
     from stages import train
-    from stages.blocks import config, tables
+    from stages.run import config
+    from stages.rows import tables
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
     n_train = w["prompts"] * w["updates"]
@@ -126,7 +127,7 @@ def fresh_artifacts(work: Path, name: str) -> Path:
 
 def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile: Path | None = None,
                   extra: tuple[str, ...] = (), name: str = "opd-stages") -> dict:
-    from stages.blocks import config
+    from stages.run import config
 
     tokenizer = str(Path(tokenizer).resolve())
     art = fresh_artifacts(work, name)
@@ -206,7 +207,7 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile: Pat
 def one_update_run(w: dict, work: Path, tokenizer: str, tag: str, extra: tuple[str, ...] = ()) -> tuple[list[str], Path, dict, Path]:
     """A fresh `opd stage train` of one update on workload `w` in a fresh store (the construction and
     first update alone, benchmarks/first_update.py): (command, its working dir, env, artifacts dir)."""
-    from stages.blocks import config
+    from stages.run import config
 
     art = fresh_artifacts(work, tag)
     over = [o for o in overrides_for(w, work, tokenizer, art, tag, extra) if not o.startswith("train.updates=")]
@@ -234,7 +235,7 @@ def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from stages import rollout, score, train, update
-    from stages.blocks import config, runview
+    from stages.run import config, runview
 
     # its own run name: the profiled run has more updates, and a run view holds one run
     over = [o for o in overrides if not o.startswith("run=")] + ["run=profile", f"train.updates={done + 4}"]

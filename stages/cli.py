@@ -29,7 +29,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .blocks.errors import EXIT_NO_SPACE, Interrupted, UserError, install_signal_handlers
+from .errors import EXIT_NO_SPACE, Interrupted, UserError, install_signal_handlers
 
 STAGES = ("prepare", "train", "evaluate", "export", "report")  # dvc.yaml's stages
 STEPS = ("rollout", "score", "update")  # the per-step stages inside train
@@ -55,7 +55,7 @@ def moved(argv: list[str]) -> str | None:
 
 
 def _config(args):
-    from .blocks import config
+    from .run import config
 
     if getattr(args, "plan", None) is not None:  # the config of a verified plan (`opd plan --profile`)
         from .verl import planfile
@@ -70,7 +70,7 @@ def _session(args):
     from . import train
 
     # how the config was given: a view `dvc repro` made (--params) is not silently taken over by an
-    # `opd run` with other overrides, nor the reverse (stages/blocks/runview.py)
+    # `opd run` with other overrides, nor the reverse (stages/run/runview.py)
     return train.session(_config(args), origin=_origin(args))
 
 
@@ -79,7 +79,7 @@ def _origin(args) -> str:
 
 
 def cmd_params(args) -> None:
-    from .blocks import config
+    from .run import config
 
     config.write_params(args.overrides, args.out, config.conf_dir())
     print(f"wrote {args.out}" + (" (for `dvc repro`; `dvc exp run -S` composes conf/ afresh and does not keep "
@@ -105,7 +105,7 @@ def cmd_run(args) -> None:
 
 def cmd_stage(args) -> None:
     from . import evaluate, prepare, rollout, score, train, update
-    from .tools import report
+    from . import report
 
     name, k = args.name, args.step
     if name in STEPS and k is None:
@@ -191,7 +191,7 @@ def cmd_benchmark_systems(args) -> None:
     """`opd benchmark systems [--workload ...]`: the driver in benchmarks/systems.py (a repo checkout)."""
     import runpy
 
-    from .blocks.config import ROOT
+    from .run.config import ROOT
 
     driver = ROOT / "benchmarks" / "systems.py"
     if not driver.is_file():
@@ -201,7 +201,7 @@ def cmd_benchmark_systems(args) -> None:
 
 
 def cmd_report(args) -> None:
-    from .tools import report
+    from . import report
 
     report.main(args)
 

@@ -21,9 +21,11 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from .blocks import lmhead, runview, sampler, tables
-from .blocks.prompts import prompt_ids
-from .blocks.store import write_json
+from .engine import lmhead, sampler
+from .run import runview
+from .rows import tables
+from .rows.prompts import prompt_ids
+from .run.store import write_json
 from .session import Session, phase
 
 

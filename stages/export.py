@@ -4,7 +4,7 @@ provenance manifest and, with --merged, a standalone model with the LoRA merged 
     model = AutoPeftModelForCausalLM.from_pretrained("artifacts/export/<run>/adapter")  # any cwd
     model = AutoModelForCausalLM.from_pretrained("artifacts/export/<run>/merged")       # --merged
 
-What is exported is what the run view records (stages/blocks/runview.py): the final policy of the run
+What is exported is what the run view records (stages/run/runview.py): the final policy of the run
 that made `artifacts/runs/<run>/`, never one computed here from the config given (export never
 trains). Every file is a copy (a reflink where the filesystem has them): nothing in the export is
 a link into the store, so editing an export cannot change a published file.
@@ -18,9 +18,10 @@ import os
 import shutil
 from pathlib import Path
 
-from .blocks import files, models, reproducible, runview
-from .blocks.errors import UserError
-from .blocks.store import fault, write_json
+from .run import files, reproducible, runview
+from .weights import models
+from .errors import UserError
+from .run.store import fault, write_json
 from .session import Session
 
 # config keys that only say which run to export and where its artifacts are: anything else given

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from .blocks import identity, models, prompts, runview, tables, tooluse
-from .blocks.errors import UserError
-from .blocks.store import fault, file_hash, write_json
+from .run import identity, runview
+from .weights import models
+from .rows import prompts, tables, tooluse
+from .errors import UserError
+from .run.store import fault, file_hash, write_json
 from .session import Session
-from .verl.data import read_verl_parquet
+from .rows.verl_rows import read_verl_parquet
 
 
 def fingerprint(model_dir: Path) -> tuple[str, int]:

@@ -1,7 +1,7 @@
 """rollout(k): the student at policy version k-1 samples responses for prompt batch k.
 
 Writes rollout.parquet (one row per trajectory, the contract in docs/architecture.md) with the
-sampling log-probs; with a tool environment (env.name), multi-turn episodes (stages/blocks/tooluse.py).
+sampling log-probs; with a tool environment (env.name), multi-turn episodes (stages/rows/tooluse.py).
 The batch for step k is a deterministic walk over per-epoch permutations of the training prompts,
 so it depends on k and the prompt set only (never on how many updates the run has in total).
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from . import envs
-from .blocks import prompts, rewards, tables, tooluse
-from .blocks.store import seed_of
+from .rows import prompts, rewards, tables, tooluse
+from .run.store import seed_of
 from .session import Session, phase
 
 

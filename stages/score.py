@@ -12,10 +12,13 @@ import pyarrow as pa
 import torch
 
 from . import objectives
-from .blocks import batch, lmhead, memory, selection, tables, tooluse
-from .blocks.config import logit_temperature
-from .blocks.errors import UserError
-from .blocks.store import seed_of
+from .engine import batch, lmhead
+from .memory import placement
+from .run import selection
+from .rows import tables, tooluse
+from .run.config import logit_temperature
+from .errors import UserError
+from .run.store import seed_of
 from .session import Session, phase
 
 
@@ -53,13 +56,13 @@ def run(sess: Session, k: int) -> Path:
         ps = batch.subset(p, torch.as_tensor(sel, device=p.rows.device))
         state: dict = {"stage": "score", "step": k, "digest": dig, "selected_positions": int(sel.sum()),
                        "response_positions": int(sel.size)}
-        def attempt(chunk: int):  # run again with a halved chunk after a CUDA OOM (memory.chunk_retry)
+        def attempt(chunk: int):  # run again with a halved chunk after a CUDA OOM (placement.chunk_retry)
             h = lmhead.hidden(teacher, ps)  # [n_sel, H]: only selected positions reach the LM head
             return lmhead.score_positions(h, lmhead.head_weight(teacher), ps.targets, chunk,
                                           kk, logit_temperature(cfg.rollout), want_topk=kk > 0)
 
         with phase(sess.device, state, tokens=int(ps.targets.numel())), torch.no_grad():
-            lp, ids, tlp, ent = memory.chunk_retry(sess, "score", k, state, attempt)
+            lp, ids, tlp, ent = placement.chunk_retry(sess, "score", k, state, attempt)
         lp, ids, tlp, ent = (t.numpy() for t in lmhead.to_host(lp, ids, tlp, ent))  # one sync for all four
         if not np.isfinite(lp).all() or (kk and not np.isfinite(tlp).all()):
             raise UserError(f"score step {k}: teacher {cfg.teacher.name!r} gives NaN/inf log-probs (its weights?); "

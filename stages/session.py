@@ -1,5 +1,5 @@
 """A resolved run: config, store, device, the resident models, and the digest chain of its stages
-(stages/blocks/identity.py computes it; docs/architecture.md describes it)."""
+(stages/run/identity.py computes it; docs/architecture.md describes it)."""
 from __future__ import annotations
 
 import json
@@ -10,11 +10,14 @@ from pathlib import Path
 
 import torch
 
-from .blocks import (adapters, ahead, decoder, graphs, hostmem, identity, lora, memory, models, phases, plan,
-                     reproducible, sampler, tables, warmup)
-from .blocks.config import Config, logit_temperature
-from .blocks.errors import UserError
-from .blocks.store import Store, link, seed_of, write_json
+from .weights import adapters, ahead, lora, models
+from .engine import decoder, graphs, sampler, warmup
+from .memory import hostmem, phases, placement, plan
+from .run import identity, reproducible
+from .rows import tables
+from .run.config import Config, logit_temperature
+from .errors import UserError
+from .run.store import Store, link, seed_of, write_json
 
 
 class Session:
@@ -23,7 +26,7 @@ class Session:
     reach into it: its attributes below are the interface. prepare (stages/prepare.py) sets
     `prepared`; the driver (stages/train.py `session`) runs it before any stage."""
 
-    def __init__(self, cfg: Config, placement: str | None = None, origin: str = "overrides"):
+    def __init__(self, cfg: Config, planned: str | None = None, origin: str = "overrides"):
         self.t0 = time.perf_counter()
         self.origin = origin  # "params" (a params file: `dvc repro`) or "overrides": see runview
         self.timings: dict[str, float] = {}
@@ -32,21 +35,21 @@ class Session:
         self.run_dir = Path(cfg.artifacts) / "runs" / cfg.run
         self.device = models.resolve_device(cfg.runtime.device)
         self.dtype = models.resolve_dtype(cfg.runtime.dtype, self.device)
-        # always an explicit count: it also turns MKL's dynamic threading off (stages/blocks/reproducible.py)
+        # always an explicit count: it also turns MKL's dynamic threading off (stages/run/reproducible.py)
         torch.set_num_threads(cfg.runtime.threads or torch.get_num_threads())
         self._prepared: dict | None = None
         self._chain: identity.Chain | None = None
         self._student = self._teacher = self._engine = self._tok = None
         self._policy: str | None = None  # digest of the policy whose adapter the student holds
-        # memory.placement as the plan resolves it (stages/blocks/plan.py); a probe may fix it up front
-        self._placement: str | None = placement
+        # memory.placement as the plan resolves it (stages/memory/plan.py); a probe may fix it up front
+        self._placement: str | None = planned
         self._on_host: set[str] = set()  # placement swap: the roles waiting in host memory
         # the resident AdamW between updates: (policy digest it has stepped to, optimizer, named params)
         self.optimizer: tuple | None = None
         self.chunk_sizes: dict[str, int] = {}  # the position chunk that fit after a CUDA OOM, per stage
         self._tables: dict[str, tuple[str, str, object]] = {}  # stage -> (digest, file, its pa.Table): see table()
         self._ahead = ahead.Ahead()  # reads started early (load_ahead), taken by name
-        memory.limit_process(cfg.memory.vram_gib, self.device)
+        placement.limit_process(cfg.memory.vram_gib, self.device)
 
     # ---- resident models (loaded on first use, kept for the whole loop) ----
     def student(self):
@@ -66,7 +69,7 @@ class Session:
                 models.enable_activation_checkpointing(base, preserve_rng_state=self.cfg.lora.dropout > 0)
             self._student = lora.add(base, self.cfg.lora, seed_of(self.init_digest()))
             self.mark("lora_built")
-            if self._ahead:  # made beside policy 0, the engine and the rollout (stages/blocks/ahead.py)
+            if self._ahead:  # made beside policy 0, the engine and the rollout (stages/weights/ahead.py)
                 path = lambda role: self.store.path("model", self.prepared[role])  # noqa: E731
                 if "teacher_weights" in self._ahead:  # (the worker has read them by now, or is reading them)
                     self._ahead.submit("teacher", lambda: ahead.verified(self.store, path("teacher"), models.load,
@@ -84,7 +87,7 @@ class Session:
 
     def teacher(self):
         if self._teacher is None and self.placement == "shared_backbone":
-            self._teacher = memory.shared_teacher(self)  # the student's base, its LoRA disabled: one copy
+            self._teacher = placement.shared_teacher(self)  # the student's base, its LoRA disabled: one copy
             self._graph_forwards(self._teacher, "teacher")  # (on its view: not the student's setting)
         if self._teacher is None:
             teacher = self._ahead.take("teacher")
@@ -106,7 +109,7 @@ class Session:
         return self._teacher
 
     def forward_length(self) -> int:
-        """CUDA: the padded length of every teacher-forced forward (stages/blocks/graphs.py): the run's longest prompt +
+        """CUDA: the padded length of every teacher-forced forward (stages/engine/graphs.py): the run's longest prompt +
         response, so it replays one graph per batch size (longer inputs, multi-turn or evaluation's, pad further)."""
         return graphs.bucket(self.cfg.data.max_prompt_tokens + self.cfg.rollout.max_new_tokens)
 
@@ -132,7 +135,7 @@ class Session:
         return list(self._ahead.taken) if self._ahead else None
 
     def load_ahead(self) -> None:
-        """Read what the first step waits for on a worker thread (stages/blocks/ahead.py): the models' weights
+        """Read what the first step waits for on a worker thread (stages/weights/ahead.py): the models' weights
         from now on, and once the student's LoRA is built the teacher made of them, the tokenizer, pandas."""
         self._ahead.start()
         for role in ahead.weights_read(self.cfg, self.placement):
@@ -184,9 +187,9 @@ class Session:
             self.store.flush()  # an update still being written: its device snapshot is freed before the move
             if other == "student":
                 self._engine = None
-            memory.move(held, torch.device("cpu"))
+            placement.move(held, torch.device("cpu"))
             if other == "student" and self.optimizer:
-                memory.move_moments(self.optimizer[1], torch.device("cpu"))
+                placement.move_moments(self.optimizer[1], torch.device("cpu"))
             self._on_host.add(other)
             torch.cuda.empty_cache()  # give the freed blocks back so the incoming role can use them
         self._on_device(role)
@@ -194,9 +197,9 @@ class Session:
     def _on_device(self, role: str) -> None:
         """An accessor's promise: the role it returns is on the device (evicts nothing)."""
         if role in self._on_host:
-            memory.move(self._teacher if role == "teacher" else self._student, self.device)
+            placement.move(self._teacher if role == "teacher" else self._student, self.device)
             if role == "student" and self.optimizer:
-                memory.move_moments(self.optimizer[1], self.device)
+                placement.move_moments(self.optimizer[1], self.device)
             self._on_host.discard(role)
 
     def mark(self, event: str) -> None:
@@ -286,39 +289,16 @@ class Session:
 
     @property
     def compiled_decode(self) -> bool:
-        """The rollout engine's decode step is compiled: CUDA with graphs and runtime.compile."""
-        return self.device.type == "cuda" and self.cfg.rollout.cuda_graphs and self.cfg.runtime.compile
+        return identity.compiled_decode(self.cfg, self.device.type)
 
     def compiled_layers(self, mcfg) -> bool:
-        """A model's decoder layers run compiled (the student's in training, the teacher's scoring forward):
-        CUDA with runtime.compile_layers, an unquantized model (bitsandbytes' layers are not traced)."""
-        return self.device.type == "cuda" and self.cfg.runtime.compile_layers and mcfg.quant == "none"
+        return identity.compiled_layers(self.cfg, mcfg, self.device.type)
 
     def runtime_slice(self) -> dict:
-        s = {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch.")}
-        if self.compiled_decode:  # (no key when eager: those digests are what they were)
-            # stages/blocks/kernels.py's decode kernels (2026-12-02: fused rotary+attention; "-blocks":
-            s["decode"] = "project+rope_attention-blocks"  # at any batch too, the cache read in blocks)
-        if self.device.type == "cuda":
-            s["draw"] = "kernel"  # plain sampling's draw as stages/blocks/draw.py's kernels on CUDA (2026-12-02;
-            # "chunked-cdf" before: torch's passes with the CDF scanned in chunks, decoder._cumsum, which top-p keeps)
-            # teacher-forced forwards in the padded layout (stages/blocks/graphs.py),
-            s["forwards"] = f"padded-to-{self.forward_length()}"  # replayed from graphs for these roles (cuBLAS may
-            g = sorted(phases.graphed_roles(self.cfg, "cuda"), reverse=True)  # ["student", "teacher"] as before
-            if g:  # choose another algorithm under capture: graph and eager need not agree to the bit)
-                s["forward_graphs"] = g
-        if self.compiled_layers(self.cfg.student) or self.compiled_layers(self.cfg.teacher):
-            s["layers"] = "compiled"  # fused kernels round differently (which: by the quant keys, in the digests)
-        if self.device.type == "cpu":
-            # MKL's reproducibility mode decides the CPU bytes, and the thread count too unless it is strict
-            m = reproducible.check()
-            if m != "none":  # (no key without MKL: those digests are what they were)
-                s["mkl_cbwr"] = m
-            if not reproducible.thread_independent(m):
-                s["threads"] = torch.get_num_threads()
-        return s
+        return identity.runtime_slice(self.cfg, self.device.type, self.dtype, self.forward_length,
+                                      phases.graphed_roles(self.cfg, self.device.type))
 
-    # ---- digest chain (computed from the stages' declarations: stages/blocks/identity.py) ----
+    # ---- digest chain (computed from the stages' declarations: stages/run/identity.py) ----
     @property
     def chain(self) -> identity.Chain:
         if self._chain is None:
@@ -387,7 +367,7 @@ def phase(device: torch.device, record: dict, tokens: int = 0):
         record["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 4)
     else:
         # the resident set includes memory earlier phases freed and the process keeps for reuse
-        # (stages/blocks/hostmem.py); how much of it is free heap now is recorded beside it
+        # (stages/memory/hostmem.py); how much of it is free heap now is recorded beside it
         record["peak_rss_gib"] = round(hostmem.rss_peak() / 2**30, 4)
         if (free := hostmem.free_heap_bytes()) is not None:
             record["heap_free_gib"] = round(free / 2**30, 4)

@@ -22,9 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from . import envs, objectives
-from .blocks import adapters, lmhead, lora, models, prompts, tooluse
-from .blocks.errors import UserError
-from .blocks.store import seed_of, write_json
+from .weights import adapters, lora, models
+from .engine import lmhead
+from .rows import prompts, tooluse
+from .errors import UserError
+from .run.store import seed_of, write_json
 from .envs import protocol
 from .session import Session, phase
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from . import envs
-from .blocks import tables, tooluse
-from .blocks.store import write_json
+from .rows import tables, tooluse
+from .run.store import write_json
 from .envs import protocol
 from .session import Session, phase
 

@@ -17,9 +17,12 @@ import time
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import prepare, rollout, score, sft, update
-from .blocks import ahead, hostmem, kernels, runview, warmup
-from .blocks.config import Config, logit_temperature
-from .blocks.store import fault, read_state, write_json
+from .weights import ahead
+from .memory import hostmem
+from .engine import kernels, warmup
+from .run import runview
+from .run.config import Config, logit_temperature
+from .run.store import fault, read_state, write_json
 from .session import Session
 
 HISTORY_COLS = ["step", "loss", "kl", "grad_norm", "teacher_topk_mass", "student_topk_mass", "topk_overlap",
@@ -29,7 +32,7 @@ HISTORY_COLS = ["step", "loss", "kl", "grad_norm", "teacher_topk_mass", "student
 
 def session(cfg: Config, placement: str | None = None, origin: str = "overrides") -> Session:
     """A Session with prepare's record in place (models materialised, prompts and tasks published).
-    origin: how the config was given (stages/blocks/runview.py): "params" (a params file) or "overrides"."""
+    origin: how the config was given (stages/run/runview.py): "params" (a params file) or "overrides"."""
     sess = Session(cfg, placement, origin)
     prepare.run(sess)
     return sess
@@ -110,7 +113,7 @@ def history_row(sess: Session, k: int) -> dict:
 
 
 def warm_up(sess: Session) -> None:
-    """Start the first calls of the loop's GPU work on a thread (stages/blocks/warmup.py), at its shapes."""
+    """Start the first calls of the loop's GPU work on a thread (stages/engine/warmup.py), at its shapes."""
     cfg, r = sess.cfg, sess.cfg.rollout
     configs = [sess.store.path("model", sess.prepared[role]) / "config.json" for role in ("student", "teacher")]
     warmup.start(*configs, rows=r.batch_size * r.n, prompt=-(-cfg.data.max_prompt_tokens // 16) * 16,
@@ -183,7 +186,7 @@ def run(sess: Session) -> dict:
                     # and as the user waits for it: from the process's start (interpreter, imports, CLI)
                     sess.timings["first_update_since_process_start_s"] = hostmem.process_age_s()
                     sess.timings.update(warmup.report())
-                    if (read := sess.loaded_ahead()) is not None:  # (stages/blocks/ahead.py)
+                    if (read := sess.loaded_ahead()) is not None:  # (stages/weights/ahead.py)
                         sess.timings["loaded_ahead"] = read
                     ahead.restore_switch_interval()
                 # the whole step as a user waits for it: phases + Parquet/adapter IO + publishing

@@ -15,10 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from . import objectives
-from .blocks import adapters, batch, lmhead, memory, models, tables
-from .blocks.config import logit_temperature
-from .blocks.errors import UserError
-from .blocks.store import fault, write_json
+from .weights import adapters, models
+from .engine import batch, lmhead
+from .memory import placement
+from .rows import tables
+from .run.config import logit_temperature
+from .errors import UserError
+from .run.store import fault, write_json
 from .session import Session, phase
 
 
@@ -149,13 +152,13 @@ def run(sess: Session, k: int) -> Path:
         io = state["io_s"] = {"inputs": round(time.perf_counter() - t_in, 4)}  # outside the timed phase
         models.set_training(student, True)
 
-        def attempt(chunk: int):  # run again with a halved chunk after a CUDA OOM (memory.chunk_retry)
+        def attempt(chunk: int):  # run again with a halved chunk after a CUDA OOM (placement.chunk_retry)
             opt.zero_grad(set_to_none=True)  # a failed attempt's partial gradients are discarded
             torch.manual_seed(int(dig[:8], 16))  # LoRA dropout, if any, draws from the stage's own seed
             return loss_and_backward(sess, student, p, sample_lp, sc, adv, keep, chunk=chunk)
 
         with phase(sess.device, state, tokens=int(p.mask.sum())):
-            stats = memory.chunk_retry(sess, "update", k, state, attempt)
+            stats = placement.chunk_retry(sess, "update", k, state, attempt)
             if not np.isfinite(stats["loss"]):
                 raise UserError(f"update step {k}: loss is {stats['loss']}; stopped before publishing policy {k}")
             gn = torch.nn.utils.clip_grad_norm_([q for _, q in named], cfg.optim.max_grad_norm or float("inf"))

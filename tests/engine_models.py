@@ -8,8 +8,9 @@ import json
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from stages.blocks import decoder, lora
-from stages.blocks.config import ROOT, LoraCfg
+from stages.engine import decoder
+from stages.weights import lora
+from stages.run.config import ROOT, LoraCfg
 
 EOS, PAD = 2, 2
 

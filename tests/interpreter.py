@@ -1,5 +1,5 @@
 """Run a script of Triton kernel checks on CPU through Triton's interpreter: TRITON_INTERPRET=1 is
-read when a kernel is defined, so the script runs in a fresh process (tests/blocks/test_kernels.py,
+read when a kernel is defined, so the script runs in a fresh process (tests/engine/test_kernels.py,
 test_draw.py). Its last line of output is JSON, returned parsed."""
 from __future__ import annotations
 

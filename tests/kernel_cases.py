@@ -1,5 +1,5 @@
-"""Cases for stages/blocks/kernels.py's `project`, shared by the CPU test (Triton's interpreter, fp16,
-tests/blocks/test_kernels.py) and the GPU test (bf16, tests/gpu/test_gpu_kernels.py).
+"""Cases for stages/engine/kernels.py's `project`, shared by the CPU test (Triton's interpreter, fp16,
+tests/engine/test_kernels.py) and the GPU test (bf16, tests/gpu/test_gpu_kernels.py).
 
 The reference takes the kernel's own rounding steps (normalised row, its product with the norm
 weight, the matmul's one rounding, silu(gate), its product with up, the residual add) with the

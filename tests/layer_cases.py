@@ -1,12 +1,12 @@
 """One decoder layer's weights and inputs at a Llama/Qwen shape, for comparing decoder.fused_layer
-with decoder.layer (tests/blocks/test_kernels.py on CPU through Triton's interpreter, tests/gpu/
+with decoder.layer (tests/engine/test_kernels.py on CPU through Triton's interpreter, tests/gpu/
 test_gpu_kernels.py on CUDA)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from stages.blocks import decoder
+from stages.engine import decoder
 
 
 def compare(device: str, dtype, B: int = 3, H: int = 4, KV: int = 2, D: int = 16, I: int = 96, L: int = 12,
@@ -58,7 +58,7 @@ def attention(device: str, dtype, B: int = 3, H: int = 6, KV: int = 2, D: int = 
     ATTN_KV_BLOCK = block), so that it loops over several, the online softmax across them, one of
     them masked whole for row 1. per_kv: the kernel with a program per kv head (tensor-core products,
     P rounded to the compute dtype for P V)."""
-    from stages.blocks import decode_attention, kernels
+    from stages.engine import decode_attention, kernels
 
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(B, (H + 2 * KV) * D, generator=g).to(device, dtype)

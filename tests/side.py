@@ -4,7 +4,7 @@ peft, ... still come from the venv).
 
     transformers-4.57   what verl 0.8.0 runs on: its vLLM extra pins vllm<=0.12, which needs transformers<5
     verl-runtime        the imports `python -m verl.trainer.main_ppo` makes beyond the conformance extra
-    transformers-5.17   the GPU machine's transformers, with scikit-learn (tests/blocks/test_imports.py)
+    transformers-5.17   the GPU machine's transformers, with scikit-learn (tests/weights/test_imports.py)
 
 Created on first use (one pip call each, from PyPI), or up front by `python tests/side.py` (install.sh
 test does). OPD_SIDE_DIR moves the cache (default ~/.cache/opd-stages/side).

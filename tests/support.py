@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import stages  # noqa: F401  (before torch: it sets MKL_CBWR, which MKL reads once; stages/blocks/reproducible.py)
+import stages  # noqa: F401  (before torch: it sets MKL_CBWR, which MKL reads once; stages/run/reproducible.py)
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +43,6 @@ def opd(*args: str, cwd: Path, env: dict | None = None, check: bool = True, time
 
 def session(work: Path, *overrides: str):
     from stages import train
-    from stages.blocks import config
+    from stages.run import config
 
     return train.session(config.compose([*TINY, *overrides], ROOT / "conf"))

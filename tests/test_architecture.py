@@ -1,6 +1,6 @@
-"""The dependency direction of `stages` (docs/architecture.md), read from the code with `ast`:
-CLI -> driver (train) -> stage modules -> Session -> building blocks. No import cycle, no import
-inside a function to dodge one."""
+"""The layout and the dependency direction of `stages` (docs/architecture.md, "Dependency rule"),
+read from the code with `ast`: layers bottom up, each importing only its own layer and those below;
+no import cycle; no import inside a function to dodge one."""
 from __future__ import annotations
 
 import ast
@@ -21,14 +21,22 @@ ALLOWED_LATE = {
                            "not a traceback",
 }
 
+# the DVC stages and the in-loop stages, side by side at the top of the package
 PIPELINE = {"stages.prepare", "stages.rollout", "stages.score", "stages.update", "stages.evaluate",
-            "stages.export", "stages.sft", "stages.tooleval"}
-DRIVER = "stages.train"
-SESSION = "stages.session"
-CLI = "stages.cli"
-# the layout shows the roles: user tools in stages/tools/, building blocks in stages/blocks/ (with
-# objectives/, envs/ and verl/ less the three verl modules that run the driver or a tool)
-TOOLS = {CLI} | {m for m in dvcyaml.modules() if m.startswith("stages.tools.")}
+            "stages.export", "stages.report", "stages.report_html", "stages.sft", "stages.tooleval"}
+# Layers, bottom up (a module may import its own layer and the layers below it, never above)
+LAYERS = [{"stages.errors"}, {"stages.objectives", "stages.envs"}, {"stages.run"}, {"stages.rows", "stages.weights"},
+          {"stages.engine"}, {"stages.memory"}, {"stages.session"}, PIPELINE, {"stages.train"}, {"stages.tools"},
+          {"stages.verl"}, {"stages.cli"}]
+PACKAGES = {"stages.objectives", "stages.envs", "stages.run", "stages.rows", "stages.weights", "stages.engine",
+            "stages.memory", "stages.tools", "stages.verl"}
+
+
+def layer(module: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return i
+    raise AssertionError(f"{module}: in no layer of tests/test_architecture.py (add it where it belongs)")
 
 
 def _cycles(g: dict[str, set[str]]) -> list[list[str]]:
@@ -62,12 +70,6 @@ def _cycles(g: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def _pkg_only(deps: set[str]) -> set[str]:
-    """Drop the package __init__ modules (importing stages.x runs stages/__init__.py; not a dependency)."""
-    return {d for d in deps if d not in ("stages", "stages.blocks", "stages.tools", "stages.verl", "stages.envs",
-                                         "stages.objectives")}
-
-
 def test_the_import_graph_has_no_cycle():
     g = dvcyaml.graph()  # every import, function-level ones included
     assert _cycles(g) == []
@@ -83,28 +85,31 @@ def test_no_function_level_import_of_our_own_modules_outside_the_allowlist():
     assert late == {}
 
 
-def test_stage_modules_import_no_other_stage_and_not_the_driver():
+def test_the_top_of_the_package_is_the_stages_the_driver_the_session_and_the_cli():
     g = dvcyaml.graph()
-    # the top of the package is the CLI, the driver, the stages and the Session, nothing else
-    top = {m for m in g if m.count(".") == 1 and m not in ("stages.blocks", "stages.tools", "stages.verl",
-                                                           "stages.envs", "stages.objectives")}
-    assert top == PIPELINE | {DRIVER, SESSION, CLI}
-    bad = {m: sorted(_pkg_only(g[m]) & (PIPELINE | {DRIVER} | TOOLS)) for m in PIPELINE}
+    top = {m for m in g if m.count(".") == 1 and m not in PACKAGES}
+    assert top == PIPELINE | {"stages.errors", "stages.session", "stages.train", "stages.cli"}
+
+
+def test_every_import_points_down_or_across_a_layer():
+    g = dvcyaml.graph()
+    up = {m: sorted(d for d in deps if d != "stages" and d not in PACKAGES and layer(d) > layer(m))
+          for m, deps in g.items() if m != "stages"}
+    assert {m: d for m, d in up.items() if d} == {}
+
+
+def test_stage_modules_import_no_other_stage():
+    """Each stage reads like a recipe over the layers below it; only the report's HTML sections are
+    a module of their own beside it."""
+    g = dvcyaml.graph()
+    bad = {m: sorted((g[m] & PIPELINE) - {"stages.report_html"}) for m in PIPELINE}
     assert {m: d for m, d in bad.items() if d} == {}
-
-
-def test_session_and_building_blocks_never_reach_up():
-    g = dvcyaml.graph()
-    up = PIPELINE | {DRIVER} | TOOLS | {"stages.verl.cli", "stages.verl.bundle", "stages.verl.planfile"}
-    blocks = {m for m in g if m not in up and m != SESSION}
-    assert sorted(_pkg_only(g[SESSION]) & up) == []
-    assert {m: sorted(_pkg_only(g[m]) & (up | {SESSION})) for m in blocks if _pkg_only(g[m]) & (up | {SESSION})} == {}
 
 
 def test_the_driver_is_what_the_cli_runs_stages_through():
     g = dvcyaml.graph()
-    assert PIPELINE - {"stages.export", "stages.evaluate", "stages.tooleval"} <= g[DRIVER] | {"stages.prepare"}
-    assert DRIVER not in g[SESSION] and not any(DRIVER in g[m] for m in PIPELINE)
+    assert {"stages.rollout", "stages.score", "stages.update", "stages.sft"} <= g["stages.train"]
+    assert "stages.train" not in g["stages.session"] and not any("stages.train" in g[m] for m in PIPELINE)
 
 
 def test_late_imports_are_seen():

@@ -10,10 +10,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import first_update  # noqa: E402
 
 RAW = f"""\
-process 7:"python -m stages.cli";thread (0x1): MainThread;main ({ROOT}/stages/cli.py:10);load ({ROOT}/stages/blocks/models.py:200);<module> (/x/lib/python3.12/site-packages/sklearn/__init__.py:1) 300
-process 7:"python -m stages.cli";thread (0x1): MainThread;main ({ROOT}/stages/cli.py:12);load ({ROOT}/stages/blocks/models.py:219);from_pretrained (/x/lib/python3.12/site-packages/transformers/modeling_utils.py:3818) 100
+process 7:"python -m stages.cli";thread (0x1): MainThread;main ({ROOT}/stages/cli.py:10);load ({ROOT}/stages/weights/models.py:200);<module> (/x/lib/python3.12/site-packages/sklearn/__init__.py:1) 300
+process 7:"python -m stages.cli";thread (0x1): MainThread;main ({ROOT}/stages/cli.py:12);load ({ROOT}/stages/weights/models.py:219);from_pretrained (/x/lib/python3.12/site-packages/transformers/modeling_utils.py:3818) 100
 process 7:"python -m stages.cli";thread (0x1);<module> (<frozen runpy>:1) 20
-process 7:"python -m stages.cli";thread (0x2): opd-verify;_check ({ROOT}/stages/blocks/store.py:90) 50
+process 7:"python -m stages.cli";thread (0x2): opd-verify;_check ({ROOT}/stages/run/store.py:90) 50
 """
 
 
@@ -24,7 +24,7 @@ def test_summary_charges_each_function_once_per_stack_and_merges_lines(tmp_path)
     assert s["threads_s"] == [["thread (0x1): MainThread", 2.1], ["thread (0x2): opd-verify", 0.25]]
     incl = dict(s["main_inclusive_s"])
     # main and load at two lines each: one key per function, paths relative to the repo / site-packages
-    assert incl["main (stages/cli.py)"] == 2.0 and incl["load (stages/blocks/models.py)"] == 2.0
+    assert incl["main (stages/cli.py)"] == 2.0 and incl["load (stages/weights/models.py)"] == 2.0
     assert incl["<module> (sklearn/__init__.py)"] == 1.5
     assert incl["<module> (<frozen runpy>)"] == 0.1  # the main thread's samples before it was named
     assert dict(s["main_own_s"]) == {"<module> (sklearn/__init__.py)": 1.5,
@@ -48,7 +48,7 @@ def test_summary_charges_each_function_once_per_stack_and_merges_lines(tmp_path)
     # inside load: its callees, each sample once (the outermost load frame), main thread only
     assert first_update.under(gz, "load (stages/") == [["<module> (sklearn/__init__.py)", 1.5],
                                                       ["from_pretrained (transformers/modeling_utils.py)", 0.5]]
-    assert first_update.under(gz, "main (stages/cli.py)") == [["load (stages/blocks/models.py)", 2.0]]
+    assert first_update.under(gz, "main (stages/cli.py)") == [["load (stages/weights/models.py)", 2.0]]
     # --imports: seconds per module imported, inclusive (the nested one counts in its importer too)
     nested = tmp_path / "nested.pyspy"
     nested.write_text(RAW.replace("sklearn/__init__.py:1) 300", "sklearn/__init__.py:1);<module> "

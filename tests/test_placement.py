@@ -16,8 +16,11 @@ from safetensors.torch import load_file
 
 import numerics
 from stages import rollout, score, train, update
-from stages.blocks import batch, lmhead, memory, models, sampler, tables
-from stages.blocks.errors import UserError
+from stages.engine import batch, lmhead, sampler
+from stages.memory import placement
+from stages.weights import models
+from stages.rows import tables
+from stages.errors import UserError
 from stages.session import Session
 from engine_models import tempered_logprob
 
@@ -39,7 +42,7 @@ def test_shared_backbone_teacher_equals_a_separate_copy(work, monkeypatch):
     student = sess.student()
     perturb_lora(student)  # a trained-looking adapter: the shared teacher must not see it
     shared = sess.teacher()
-    assert isinstance(shared, memory.SharedTeacher) and shared.peft is student
+    assert isinstance(shared, placement.SharedTeacher) and shared.peft is student
     copy = models.load(sess.model_dir("teacher"), sess.cfg.teacher, sess.device, sess.dtype)
     assert sum(p.numel() for p in copy.parameters()) > 0  # the reference: a second copy of the weights
     p = lmhead.pack([[1, 500, 600, 700], [1, 42]], [[5, 6, 7, 8, 9], [11, 12, 13]], [[1] * 5, [1] * 3], 2, "cpu")
@@ -103,11 +106,11 @@ def _with_and_without_merge_in_place(work: Path, *over):
 
 def test_shared_backbone_run_publishes_what_resident_does(work, tmp_path):
     dig_r, bytes_r, s_r = _final_adapter(work, "memory.placement=resident")
-    assert s_r.placement == "resident" and not isinstance(s_r._teacher, memory.SharedTeacher)
+    assert s_r.placement == "resident" and not isinstance(s_r._teacher, placement.SharedTeacher)
     shutil.rmtree(work / "artifacts" / "store" / "update")
     shutil.rmtree(work / "artifacts" / "store" / "score")
     dig_s, bytes_s, s_s = _final_adapter(work, "memory.placement=auto")  # auto: same base -> shared
-    assert s_s.placement == "shared_backbone" and isinstance(s_s._teacher, memory.SharedTeacher)
+    assert s_s.placement == "shared_backbone" and isinstance(s_s._teacher, placement.SharedTeacher)
     assert dig_r == dig_s and bytes_r == bytes_s
 
 
@@ -125,7 +128,7 @@ def test_refusals_come_before_any_weights_load(work):
 def test_shared_teacher_refuses_different_materialised_models():
     fake = SimpleNamespace(prepared={"student": "a" * 32, "teacher": "b" * 32})
     with pytest.raises(UserError, match="shared_backbone: student model/aaaa"):
-        memory.shared_teacher(fake)
+        placement.shared_teacher(fake)
 
 
 def test_swap_moves_the_idle_role_and_drops_the_engine(monkeypatch):
@@ -272,7 +275,7 @@ def test_other_errors_are_not_retried(monkeypatch):
         raise RuntimeError("not memory")
 
     with pytest.raises(RuntimeError, match="not memory"):
-        memory.chunk_retry(sess, "score", 1, {}, boom)
+        placement.chunk_retry(sess, "score", 1, {}, boom)
     assert calls == [8]
 
 
@@ -328,7 +331,7 @@ def test_gpu_oom_retry_under_a_tiny_budget(work):
 
 def test_fused_projections_compute_what_the_model_computed():
     from engine_models import tiny, with_trained_lora
-    from stages.blocks import decoder
+    from stages.engine import decoder
 
     ref, fused = with_trained_lora(tiny()), tiny()
     decoder.fuse_projections(fused)
@@ -352,7 +355,7 @@ def test_fused_projections_compute_what_the_model_computed():
 
 def test_in_place_engine_samples_what_the_copy_samples_and_restores_the_base():
     from engine_models import PROMPTS, tiny, with_trained_lora
-    from stages.blocks import decoder
+    from stages.engine import decoder
 
     ref, fused = with_trained_lora(tiny()), tiny()
     decoder.fuse_projections(fused)
@@ -382,7 +385,7 @@ def test_a_merge_enqueued_ahead_is_undone_before_anything_else_reads_the_base():
     base back. (The CPU engine never merges ahead: it is rebuilt per policy, and premerge is a replay
     of the captured merge.)"""
     from engine_models import tiny, with_trained_lora
-    from stages.blocks import decoder
+    from stages.engine import decoder
 
     fused = tiny()
     decoder.fuse_projections(fused)

@@ -1,6 +1,6 @@
 """stages/rollout.py: each rollout row carries its own prompt's ids, source and reward."""
 from stages import train
-from stages.blocks import prompts, rewards, tables
+from stages.rows import prompts, rewards, tables
 from support import session
 
 

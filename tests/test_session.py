@@ -3,8 +3,9 @@ import pyarrow as pa
 import pytest
 
 from stages import rollout
-from stages.blocks import batch, tables
-from stages.blocks.errors import UserError
+from stages.engine import batch
+from stages.rows import tables
+from stages.errors import UserError
 from support import session
 
 
@@ -66,7 +67,7 @@ def test_checkpointing_stashes_rng_state_only_with_lora_dropout(work, dropout):
     """train.activation_checkpointing: each decoder layer recomputes in the backward (non-reentrant);
     the RNG state is stashed around the recompute only when the forward draws (LoRA dropout), since
     a captured CUDA graph refuses the generator query and nothing draws without dropout."""
-    from stages.blocks import models
+    from stages.weights import models
 
     sess = session(work, "runtime.threads=1", "train.activation_checkpointing=true", f"lora.dropout={dropout}")
     layer = models.base_of(sess.student()).model.layers[0]
@@ -82,7 +83,7 @@ def test_reads_ahead_give_the_same_models_and_policy_0_and_a_damaged_dir_is_reco
     stored in another dtype than the run's are read from the files, as before."""
     import torch
 
-    from stages.blocks import models
+    from stages.weights import models
 
     # bf16 as the models are stored (the weights are read ahead only in the dtype the run computes in)
     plain = session(work, "runtime.threads=1", "runtime.dtype=bfloat16")

@@ -10,9 +10,9 @@ import torch
 import numerics
 from support import session
 from stages import envs, sft, train
-from stages.blocks import tooluse
-from stages.blocks.errors import UserError
-from stages.blocks.store import read_state
+from stages.rows import tooluse
+from stages.errors import UserError
+from stages.run.store import read_state
 from stages.envs import protocol
 
 TOOL = ["env.name=calculator", "env.split=hard", "env.num_train=8", "env.num_test=2", "env.max_turns=3",

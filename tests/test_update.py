@@ -10,8 +10,10 @@ from torch.func import grad_and_value
 
 import numerics
 from stages import objectives, update
-from stages.blocks import adapters, config, lmhead, lora
-from stages.blocks.config import LoraCfg
+from stages.weights import adapters, lora
+from stages.run import config
+from stages.engine import lmhead
+from stages.run.config import LoraCfg
 from support import seeds
 from engine_models import tiny
 
@@ -195,13 +197,13 @@ def test_background_publish_writes_the_same_bytes_on_the_publish_thread(work, mo
     import threading
 
     from stages import train
-    from stages.blocks import store as store_mod
+    from stages.run import store as store_mod
     from stages.session import Session
     from support import session
 
     import time
 
-    from stages.blocks import tables
+    from stages.rows import tables
 
     real_adapter, real_write = adapters.write_adapter, tables.write
 
@@ -255,7 +257,7 @@ def test_on_cpu_an_update_drops_the_engine_and_the_next_one_holds_the_new_policy
     """CPU: the update does not refresh the sampling weights in place; the next rollout builds them
     from the resident policy, the construction a resumed process uses (one path for both)."""
     from stages import train
-    from stages.blocks import decoder
+    from stages.engine import decoder
     from support import session
 
     sess = session(work, "train.updates=1")

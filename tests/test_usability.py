@@ -28,8 +28,8 @@ def test_a_run_prints_no_third_party_notice(work):
 def test_the_embedded_model_materialises_quietly(tmp_path):
     """The first command of a fresh clone dequantises the embedded GGUF (transformers' own tqdm bar,
     which its progress switch does not cover): nothing of it on stderr unless --verbose."""
-    from stages.blocks import models
-    from stages.blocks.errors import UserError
+    from stages.weights import models
+    from stages.errors import UserError
     from support import ROOT
 
     try:
@@ -78,7 +78,7 @@ def test_prompt_plus_response_beyond_the_context_is_one_line(work):
 
 def test_temperature_0_is_greedy(work):
     from stages import train
-    from stages.blocks import sampler
+    from stages.engine import sampler
 
     sess = session(work, "rollout.temperature=0")
     train.policy0(sess)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..blocks.errors import UserError
+from ..errors import UserError
 from . import calculator, jsonnav, protocol, sqlite
 from .task import PARTS, Task
 

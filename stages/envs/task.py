@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..blocks.errors import UserError
+from ..errors import UserError
 from .protocol import MAX_ARG_CHARS
 
 PARTS = ("train", "test")

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ..blocks.errors import UserError
+from ..errors import UserError
 from . import bucketed_topk_tail, estimators, exact_full_vocab, forward_kl_topk, pg_k1_rewarded
 from .pg_k1_rewarded import reward_advantages
 

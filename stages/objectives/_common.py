@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ..blocks.errors import UserError
+from ..errors import UserError
 
 # verl's compute_policy_loss_vanilla reads `config.get("clip_ratio_c", 3.0)`; the distillation loss
 # config has no such field, so verl's distillation PG always uses the dual-clip bound 3.0.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..blocks.errors import UserError
+from ..errors import UserError
 from ._common import check_divergence, clamp_loss, divergence, log1mexp
 
 NEEDS = {"topk"}

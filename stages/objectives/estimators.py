@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..blocks.errors import UserError
+from ..errors import UserError
 from ._common import check_pg, clamp_loss, ppo_per_token, sampled_logprob
 
 NEEDS = {"teacher_logprobs"}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..blocks.errors import UserError
+from ..errors import UserError
 from ._common import check_pg, clamp_loss, ppo_per_token, sampled_logprob
 
 # "advantages": the update must fill chunk.advantages from the rollout's rewards (reward_advantages)

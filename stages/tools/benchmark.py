@@ -33,10 +33,10 @@ import time
 from pathlib import Path
 
 from .. import tooleval, train
-from ..blocks import tooluse
-from ..blocks.config import compose, conf_dir, read_yaml, to_dict
-from ..blocks.errors import UserError
-from ..blocks.store import read_state
+from ..rows import tooluse
+from ..run.config import compose, conf_dir, read_yaml, to_dict
+from ..errors import UserError
+from ..run.store import read_state
 from .benchmark_report import write
 
 SCHEMA = "opd-stages/tooluse-benchmark"

@@ -10,9 +10,9 @@ import os
 import platform
 from pathlib import Path
 
-from ..blocks.config import to_dict
-from ..blocks.models import env_versions
-from ..blocks.store import write_json
+from ..run.config import to_dict
+from ..weights.models import env_versions
+from ..run.store import write_json
 
 COLS = [("arm", "arm"), ("seed", "seed"), ("objective", "objective"), ("updates", "updates"),
         ("success", "strict success"), ("success_lenient", "lenient success"), ("avg_turns", "avg turns"),

@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..blocks.errors import UserError
+from ..errors import UserError
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 # (distribution, import name, required?, why) — required ones are blockers when missing
@@ -113,7 +113,7 @@ def check_quant(cfg) -> list[Check]:
 
 
 def check_embedded(cfg) -> Check:
-    from ..blocks import models
+    from ..weights import models
 
     # the embedded tokenizer also serves `arch:` (random-init) models
     needed = cfg is None or any(getattr(cfg, r).name == "embedded" or getattr(cfg, r).name.startswith("arch:")
@@ -147,8 +147,8 @@ def check_artifacts(artifacts: str) -> list[Check]:
 def check_reproducibility() -> list[Check]:
     """MKL's reproducibility mode (CPU bytes independent of thread count only when strict), the
     stack digest that every stage records, and how the installed stack differs from the lock."""
-    from ..blocks import reproducible
-    from ..blocks.config import ROOT
+    from ..run import reproducible
+    from ..run.config import ROOT
 
     m = reproducible.mode()
     if m == "none":
@@ -182,7 +182,7 @@ def check_reproducibility() -> list[Check]:
 
 def load_config(params: str | None, overrides: list[str]):
     """(config or None, a Check describing where it came from)."""
-    from ..blocks import config
+    from ..run import config
 
     try:
         if params:

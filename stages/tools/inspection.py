@@ -2,7 +2,6 @@
 log-prob, the largest teacher-student gaps highlighted. `--format json` for scripts."""
 from __future__ import annotations
 
-import functools
 import json
 import re
 import sys
@@ -10,26 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..blocks import runview, tables
-from ..blocks.errors import UserError
-
-
-def _locate(path: Path, step: int | None) -> tuple[Path, Path | None]:
-    """A rollout/scores Parquet or a step dir -> (rollout, scores or None)."""
-    if path.is_dir():
-        if step is not None and not (path / "rollout.parquet").exists():
-            path = path / f"step-{step:04d}"
-        if not (path / "rollout.parquet").exists():
-            raise UserError(f"{path}: no rollout.parquet in it")
-        path = path / "rollout.parquet"
-    if path.name == "scores.parquet":
-        path = path.with_name("rollout.parquet")
-    sc = path.with_name("scores.parquet")
-    return path, sc if sc.exists() else None
+from ..errors import UserError
+from ..rows.trajectories import trajectories
+from ..run import runview
 
 
 def run_steps(run_dir: Path, step: int | None) -> list[Path]:
-    """The step dirs of the run the view holds (stages/blocks/runview.py): --step N, else all of them."""
+    """The step dirs of the run the view holds (stages/run/runview.py): --step N, else all of them."""
     ks = [k for k in runview.steps(run_dir) if k > 0 and (runview.step_dir(run_dir, k) / "rollout.parquet").exists()]
     if not ks:
         raise UserError(f"{run_dir}: the run has no sampled step yet")
@@ -38,70 +24,6 @@ def run_steps(run_dir: Path, step: int | None) -> list[Path]:
             raise UserError(f"--step {step}: not a step of the run in {run_dir} ({runview.ranges(ks)})")
         ks = [step]
     return [runview.step_dir(run_dir, k) for k in ks]
-
-
-def _unique_uids(t, path: Path) -> None:
-    """Scores are joined to trajectories by uid: a repeated one would pair the wrong rows."""
-    seen: set = set()
-    for u in t.column("uid").to_pylist():
-        if u in seen:
-            raise UserError(f"{path}: duplicate uid {u!r} (each trajectory needs its own)")
-        seen.add(u)
-
-
-def trajectories(path: Path, step: int | None = None) -> list[dict]:
-    ro_path, sc_path = _locate(path, step)
-    ro = tables.read(ro_path, {"uid": None, "response_ids": None, "sample_logprobs": None})
-    _unique_uids(ro, ro_path)
-    lps = tables.lists(ro, "sample_logprobs")
-    teacher = {}
-    if sc_path:
-        sc = tables.read(sc_path, {"uid": None, "teacher_logprobs": None})
-        _unique_uids(sc, sc_path)
-        teacher = dict(zip(sc.column("uid").to_pylist(), tables.lists(sc, "teacher_logprobs")))
-    decode = _decoder(ro_path)
-    out = []
-    for i, row in enumerate(ro.select([c for c in ("uid", "step", "prompt_text", "response_text", "response_ids",
-                                                    "finish_reason") if c in ro.column_names]).to_pylist()):
-        t = teacher.get(row["uid"])
-        s = lps[i]
-        gap = (t - s) if t is not None else None
-        pieces = [decode([x]) for x in row["response_ids"]] if decode else [str(x) for x in row["response_ids"]]
-        scored = None if gap is None else np.isfinite(gap)  # position selection leaves NaN where unscored
-        out.append({**row, "tokens": pieces, "sample_logprobs": s.tolist(),
-                    "teacher_logprobs": None if t is None else [float(x) if np.isfinite(x) else None for x in t],
-                    "mean_gap": None if gap is None or not scored.any() else float(np.abs(gap[scored]).mean())})
-    return out
-
-
-def _decoder(ro_path: Path):
-    """The student's tokenizer's decode (list of ids -> text), found through the run view's
-    prepare.json (None if unavailable)."""
-    run_dir = ro_path.parent.parent
-    prep = run_dir / "prepare.json"
-    if not prep.exists():
-        return None
-    dig = json.loads(prep.read_text())["student"]
-    store = run_dir.parent.parent / "store" / "model" / dig
-    return _load_decode(str(store)) if (store / "tokenizer_config.json").exists() else None
-
-
-@functools.lru_cache(maxsize=4)
-def _load_decode(path: str):
-    """The `tokenizers` library's decode of the saved tokenizer.json where it is the whole story (no
-    clean-up of spaces), which is transformers' decode without importing transformers: `opd inspect`
-    of a step took 5.3 s with that import, 0.7 s without (docs/architecture.md, "Startup"). Else
-    transformers' own."""
-    d = Path(path)
-    conf = json.loads((d / "tokenizer_config.json").read_text())
-    if (d / "tokenizer.json").exists() and not conf.get("clean_up_tokenization_spaces"):
-        from tokenizers import Tokenizer
-
-        tk = Tokenizer.from_file(str(d / "tokenizer.json"))
-        return lambda ids: tk.decode(ids, skip_special_tokens=False)  # (transformers' default; tokenizers' is True)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path).decode
 
 
 def select(spec: str | None, step: int | None, every_step: bool) -> list[Path]:

@@ -1,4 +1,4 @@
-"""`opd plan`: the weight-free memory plan (stages/blocks/plan.py) as a table, optionally with the CUDA
+"""`opd plan`: the weight-free memory plan (stages/memory/plan.py) as a table, optionally with the CUDA
 probe's measured peaks beside it (stages/tools/probe.py), and as JSON (--out)."""
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ..blocks import config, plan
-from ..blocks.errors import UserError
+from ..run import config
+from ..memory import plan
+from ..errors import UserError
 from . import probe
 
 

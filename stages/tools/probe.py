@@ -13,11 +13,12 @@ import numpy as np
 import torch
 
 from .. import objectives, train, update
-from ..blocks import identity as stage_identity
-from ..blocks import lmhead, models
-from ..blocks.config import logit_temperature
-from ..blocks.errors import UserError
-from ..blocks.store import Store, write_json
+from ..run import identity as stage_identity
+from ..engine import lmhead
+from ..weights import models
+from ..run.config import logit_temperature
+from ..errors import UserError
+from ..run.store import Store, write_json
 from ..session import phase
 
 

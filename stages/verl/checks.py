@@ -15,11 +15,11 @@ import io
 import os
 from pathlib import Path
 
-from ..blocks.errors import UserError
-from ..blocks.lora import peft_wrap_quietly
-from ..blocks.models import tokenizer_fingerprint
-from ..blocks.prompts import prompt_ids
-from .data import read_verl_parquet
+from ..errors import UserError
+from ..weights.lora import peft_wrap_quietly
+from ..weights.models import tokenizer_fingerprint
+from ..rows.prompts import prompt_ids
+from ..rows.verl_rows import read_verl_parquet
 
 
 def _ok(detail: str) -> dict:

@@ -7,7 +7,7 @@
     opd compat explain FIELD | table [--out docs/compat.md]
     opd data sample --format verl-parquet --out FILE [--rows N] [overrides]
 
-`opd plan` without --profile is the weight-free memory plan (stages/blocks/plan.py); with --profile it maps
+`opd plan` without --profile is the weight-free memory plan (stages/memory/plan.py); with --profile it maps
 the verl config first, then plans memory. The verl bundle is `opd stage export --verl OUT [--gpus N
 --nodes M --teacher-gpus T --teacher-tp K --gpu-gib G]` (stages/cli.py; its options: bundle_arguments).
 """
@@ -16,15 +16,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..blocks.errors import UserError
+from ..errors import UserError
 
 # Each command imports what it runs when it runs (docs/architecture.md, "Dependency direction"):
 # building `opd`'s parser imports this module, and `opd --help` needs none of them (torch among them).
 
 
 def cmd_plan(args) -> None:
-    from ..blocks import config
-    from ..blocks import plan as memory_planner
+    from ..run import config
+    from ..memory import plan as memory_planner
     from ..tools import planview
     from . import planfile
 
@@ -59,7 +59,7 @@ def memory_plan_cli(args) -> None:
 def plan_session(args):
     """`opd run --plan`: the Session of a verified plan; None for --dry-run (after printing it)."""
     from .. import train
-    from ..blocks import config
+    from ..run import config
     from . import planfile
 
     if args.plan is None:
@@ -111,8 +111,8 @@ def cmd_compat(args) -> None:
 
 
 def cmd_data(args) -> None:
-    from ..blocks import config
-    from . import data
+    from ..run import config
+    from ..rows import verl_rows as data
 
     if args.format != "verl-parquet":
         raise UserError(f"--format {args.format!r}: expected verl-parquet")

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from ..blocks.errors import UserError
+from ..errors import UserError
 from . import fields, keys, mapping, rules
 
 DOC = "docs/compat.md"

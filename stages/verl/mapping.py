@@ -20,8 +20,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..blocks.config import ROOT, read_yaml
-from ..blocks.errors import UserError
+from ..run.config import ROOT, read_yaml
+from ..errors import UserError
 from . import fields, rules
 
 PROFILE_DIR = ROOT / "conf" / "profile"

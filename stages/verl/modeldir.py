@@ -26,7 +26,7 @@ import json
 import shutil
 from pathlib import Path
 
-from ..blocks.errors import UserError
+from ..errors import UserError
 
 # model_type -> 4.x config class reads top-level rope_theta/rope_scaling exactly as written here
 # (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config in transformers 4.57; the logits test covers

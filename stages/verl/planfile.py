@@ -2,7 +2,7 @@
 
 The plan records what was asked (profile, config, --set, --accept, our overrides), what it maps to
 (our Hydra overrides and the resolved config) and the weight-free memory plan's estimate
-(stages/blocks/plan.py); an infeasible estimate is written, then refused. `digest`
+(stages/memory/plan.py); an infeasible estimate is written, then refused. `digest`
 is the sha256 of the canonical JSON of everything else, so `opd run --plan` refuses a plan edited
 after planning; it also recomposes the config from the recorded overrides and refuses to run if
 conf/ has changed since (the plan would be stale).
@@ -16,11 +16,11 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from ..blocks import config as config_mod
-from ..blocks import files
-from ..blocks import plan as memory_planner
-from ..blocks.errors import UserError
-from ..blocks.shapes import shape_of
+from ..run import config as config_mod
+from ..run import files
+from ..memory import plan as memory_planner
+from ..errors import UserError
+from ..memory.shapes import shape_of
 from ..tools import probe as memory_probe
 from . import mapping
 
@@ -36,7 +36,7 @@ def content_digest(plan: dict) -> str:
 
 
 def memory_plan(cfg) -> dict:
-    """The weight-free memory plan of `cfg` (stages/blocks/plan.py)."""
+    """The weight-free memory plan of `cfg` (stages/memory/plan.py)."""
     return memory_planner.estimate(cfg)
 
 

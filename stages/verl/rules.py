@@ -277,7 +277,7 @@ RULES: list[Rule] = [
                "use_task_rewards", _objective_ok),
          _objective),
     Rule(f"{D}.topk", EXACT, ("objective.topk",), allowed=POS_INT),
-    Rule(f"{D}.use_task_rewards", REINTERP, (), "true: the task reward is our rule reward (stages/blocks/rewards.py) "
+    Rule(f"{D}.use_task_rewards", REINTERP, (), "true: the task reward is our rule reward (stages/rows/rewards.py) "
          "instead of verl's reward function", convert=lambda v, c: {}),
     Rule(f"{D}.distillation_loss_coef", EXACT, ("objective.distill_coef",), "used only with use_task_rewards",
          convert=lambda v, c: {"objective.distill_coef": v} if _task(c) else {}),

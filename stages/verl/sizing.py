@@ -14,7 +14,7 @@ What must divide (else exit 2, naming the numbers and what would divide):
   T by K, and each teacher group by K (a replica stays on one node: verl/experimental/teacher_loop/
       teacher_model.py:102), K dividing the teacher's attention heads (vLLM tensor parallelism)
 Memory, per GPU of G GiB (usable: G x (1 - memory.margin)), from our weight-free planner
-(stages/blocks/plan.py) on the per-GPU shapes, bf16, CUDA:
+(stages/memory/plan.py) on the per-GPU shapes, bf16, CUDA:
   ppo_micro_batch_size_per_gpu = the largest divisor of the per-GPU mini-batch whose update phase
       (student weights, LoRA + grads + AdamW moments, activations, the loss over the micro-batch's
       logits at once, as verl computes it) fits; log-prob micro-batches use the same size
@@ -31,9 +31,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..blocks import plan
-from ..blocks.errors import UserError
-from ..blocks.shapes import lora_params, shape_of, weight_bytes
+from ..memory import plan
+from ..errors import UserError
+from ..memory.shapes import lora_params, shape_of, weight_bytes
 
 GIB = 1 << 30
 BF16 = 2
@@ -183,6 +183,6 @@ def size(cfg, c: Cluster) -> Sizing:
                           "rollout_gpu_memory_utilization": util},
         "teacher": {"gpus": T, "placement_groups": [t] * (T // t), "tensor_parallel": tp, "replicas": T // tp,
                     "weights_gib_per_gpu": round(t_weights / tp / GIB, 3), "gpu_memory_utilization": teacher_util},
-        "source": "stages/blocks/plan.py (update phase, swap placement, bf16, CUDA) and stages/blocks/shapes.py",
+        "source": "stages/memory/plan.py (update phase, swap placement, bf16, CUDA) and stages/memory/shapes.py",
     }
     return Sizing(a, A // a, t, T // t, tp, m, util, teacher_util, detail)

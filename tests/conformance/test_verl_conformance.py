@@ -35,7 +35,7 @@ from verl.workers.config import ActorConfig, DistillationConfig, DistillationLos
 
 import numerics  # noqa: E402
 from stages import objectives as O  # noqa: E402
-from stages.blocks.config import ObjectiveCfg  # noqa: E402
+from stages.run.config import ObjectiveCfg  # noqa: E402
 from stages.objectives import estimators  # noqa: E402
 from stages.objectives._common import ppo_per_token  # noqa: E402
 from support import seeds  # noqa: E402

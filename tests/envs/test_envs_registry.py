@@ -5,7 +5,7 @@ import pyarrow as pa
 import pytest
 
 from stages import envs
-from stages.blocks.errors import UserError
+from stages.errors import UserError
 from stages.envs import protocol
 from stages.envs.task import identity_digest, part_of
 

@@ -1,4 +1,4 @@
-"""stages/blocks/draw.py on the GPU at the decode step's real widths (SmolLM2's 49,152 and Qwen3's
+"""stages/engine/draw.py on the GPU at the decode step's real widths (SmolLM2's 49,152 and Qwen3's
 151,936 logits, bf16), where its sums and scans run in parallel: each token drawn is the inverse
 fp64 CDF at its u, its log-probability fp64's, the bytes repeat, and away from a CDF boundary the
 token is the one torch's passes draw (draw.ON off).
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.blocks import decoder, draw
+from stages.engine import decoder, draw
 
 pytestmark = pytest.mark.gpu
 TOL = 64 * 2.0 ** -24

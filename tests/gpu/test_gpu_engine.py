@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.blocks import lmhead, sampler
+from stages.engine import lmhead, sampler
 from engine_models import PROMPTS, hf_greedy, tiny, with_trained_lora
 
 pytestmark = pytest.mark.gpu
@@ -107,8 +107,8 @@ def test_compiled_update_layers_match_eager_fp32():
     """runtime.compile's training layers (models.compile_layers): hidden states and LoRA gradients
     as eager computes them (fp32, TF32 off: fused kernels change only the rounding), for three
     lengths and batch sizes with one compilation (dynamic shapes), and eager again in eval mode."""
-    from stages.blocks import lora, models
-    from stages.blocks.config import LoraCfg
+    from stages.weights import lora, models
+    from stages.run.config import LoraCfg
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch._dynamo.utils.counters.clear()
@@ -159,7 +159,7 @@ def test_host_copy_mixes_device_and_host_tensors_and_snapshots_at_the_call():
     """The update's snapshot on CUDA: AdamW's moments live on the device and its step count on the
     host (same dtype: they must not be concatenated together); later in-place changes on the device
     stream do not reach the snapshot."""
-    from stages.blocks import adapters
+    from stages.weights import adapters
 
     m = torch.randn(1000, 7, device="cuda")
     want = m.cpu()

@@ -1,4 +1,4 @@
-"""CUDA graphs of the teacher-forced forwards and of the engine's LoRA re-merge (stages/blocks/graphs.py,
+"""CUDA graphs of the teacher-forced forwards and of the engine's LoRA re-merge (stages/engine/graphs.py,
 sampler.Engine.refresh): a replay computes what the eager padded forward computes, reads this call's
 inputs and parameters (not the captured ones), repeats to the bit, and trains the same LoRA grads."""
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.blocks import graphs, lmhead, models, sampler
+from stages.engine import graphs, lmhead, sampler
+from stages.weights import models
 from engine_models import PAD, tiny, with_trained_lora
 
 pytestmark = pytest.mark.gpu
@@ -104,7 +105,7 @@ def test_in_place_engine_restores_the_base_before_the_next_forward_reads_it():
     base, because it waits on the device for the side stream's copy back (decoder.base_ready). At
     SmolLM2-360M widths the copy (0.59 GiB) outlasts the host's launch of that forward, so a missing
     wait would read merged weights."""
-    from stages.blocks import decoder
+    from stages.engine import decoder
 
     torch.manual_seed(0)
     m = tiny("smollm2-360m", initializer_range=0.02).to("cuda", torch.bfloat16)
@@ -130,7 +131,7 @@ def test_a_merge_enqueued_ahead_samples_what_a_merge_at_generate_does():
     replayed ahead of the next generate, which then samples the same tokens and log-probs as one that
     merges itself; a forward or a new adapter that reaches the weights first gets the pristine base
     (decoder.base_ready, Engine.refresh), and the base is pristine after every rollout."""
-    from stages.blocks import decoder
+    from stages.engine import decoder
 
     torch.manual_seed(0)
     m = tiny("smollm2-360m", initializer_range=0.02).to("cuda", torch.bfloat16)

@@ -1,4 +1,4 @@
-"""stages/blocks/kernels.py on the GPU, bf16: `project` within the bounds derived in
+"""stages/engine/kernels.py on the GPU, bf16: `project` within the bounds derived in
 tests/kernel_cases.py at the decode step's real widths (SmolLM2-360M, Qwen3-0.6B), bit-identical
 from call to call, decoder.fused_layer against decoder.layer, and the compiled decode step of the
 rollout engine really launching the kernels (the engine tests in test_gpu_engine.py check what it
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.blocks import decoder, kernels, sampler
+from stages.engine import decoder, kernels, sampler
 import kernel_cases
 import layer_cases
 from engine_models import PROMPTS, tiny, with_trained_lora
@@ -81,7 +81,7 @@ def test_fast_step_over_in_place_weights_samples_what_the_copy_does():
     (decoder.fuse_projections), the same values as the copy's merged tensors, and each kernel sums
     in a fixed order, so both engines sample the same tokens and log-probs, bit for bit; also at
     kernels.MAX_ROWS rows and one past it (where the compiled cuBLAS layer takes over)."""
-    from stages.blocks import decoder
+    from stages.engine import decoder
 
     def model(fused):
         torch.manual_seed(0)

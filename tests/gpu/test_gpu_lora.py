@@ -6,8 +6,8 @@ import pytest
 import torch
 from engine_models import peft_alone, same_adapters, tiny
 
-from stages.blocks import lora
-from stages.blocks.config import LoraCfg
+from stages.weights import lora
+from stages.run.config import LoraCfg
 
 pytestmark = pytest.mark.gpu
 

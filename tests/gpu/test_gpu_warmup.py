@@ -1,5 +1,5 @@
 """runtime.warmup on the GPU: the warm-up thread runs beside the models' loads, finishes without an
-error (and so does its precompiling child), the tokenizer and the teacher are read ahead (stages/blocks/ahead.py), and the run publishes
+error (and so does its precompiling child), the tokenizer and the teacher are read ahead (stages/weights/ahead.py), and the run publishes
 the same digests and bytes as one without either (they compute nothing the run keeps, and the
 capture and phase boundaries join them first). A damaged config.json is repaired before the warm-up reads it."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_warmup_changes_no_byte_and_reports_its_time(tmp_path, seeded_store):
     timings = {d: json.loads((d / "artifacts" / "runs" / "default" / "train.json").read_text())["timings"]
                for d in (on, off)}
     assert "warmup_error" not in timings[on] and timings[on]["warmup_s"] > 0
-    # the child compiled the engine's kernels (stages/blocks/warmup.py `_child`) and finished first
+    # the child compiled the engine's kernels (stages/engine/warmup.py `_child`) and finished first
     assert "precompile_error" not in timings[on] and 0 < timings[on]["precompile_s"] < timings[on]["warmup_s"]
     assert "warmup_s" not in timings[off] and "precompile_s" not in timings[off]
     assert timings[on]["loaded_ahead"] == ["student_weights", "teacher_weights", "tokenizer", "teacher"]
@@ -59,7 +59,7 @@ import json, os, sys
 from pathlib import Path
 import torch
 from engine_models import EOS, PAD, tiny, with_trained_lora
-from stages.blocks import sampler, warmup
+from stages.engine import sampler, warmup
 
 out, children = Path(sys.argv[1]), sys.argv[2] == "children"
 cache = Path(os.environ["TRITON_CACHE_DIR"])

@@ -10,7 +10,7 @@ import yaml
 
 from dvcrepo import dvc
 from support import TINY, opd
-from stages.blocks import identity
+from stages.run import identity
 
 DVC_STAGES = ("prepare", "train", "evaluate")
 UNREAD = ("memory.margin", "memory.placement")  # placement and budget never change what is computed

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stages.blocks.config import ObjectiveCfg
+from stages.run.config import ObjectiveCfg
 from stages.objectives import Chunk
 
 # every registered objective with settings that make it valid

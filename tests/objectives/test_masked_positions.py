@@ -22,8 +22,10 @@ from torch.func import grad_and_value
 import numerics
 from engine_models import tiny
 from stages import objectives, update
-from stages.blocks import config, lmhead, lora, selection
-from stages.blocks.config import LoraCfg, SelectionCfg
+from stages.run import config, selection
+from stages.engine import lmhead
+from stages.weights import lora
+from stages.run.config import LoraCfg, SelectionCfg
 
 PROMPTS = [[1, 50, 60, 7], [1, 42], [1, 9, 10]]
 RESP = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18, 19, 20, 21]]

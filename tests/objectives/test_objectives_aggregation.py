@@ -5,7 +5,7 @@ from torch.func import grad_and_value
 
 import numerics
 from stages import objectives as O
-from stages.blocks.errors import UserError
+from stages.errors import UserError
 from support import seeds
 
 from _objective_batch import CONFIGS, cfg_for, make_batch

@@ -2,8 +2,8 @@
 import pytest
 
 from stages import objectives as O
-from stages.blocks.config import ObjectiveCfg, from_container
-from stages.blocks.errors import UserError
+from stages.run.config import ObjectiveCfg, from_container
+from stages.errors import UserError
 
 from _objective_batch import CONFIGS, cfg_for
 

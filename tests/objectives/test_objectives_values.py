@@ -13,8 +13,8 @@ from torch.func import grad_and_value
 
 import numerics
 from stages import objectives as O
-from stages.blocks.config import ObjectiveCfg
-from stages.blocks.errors import UserError
+from stages.run.config import ObjectiveCfg
+from stages.errors import UserError
 from stages.objectives import Chunk, reward_advantages
 from support import seeds
 

@@ -145,7 +145,7 @@ def _machine() -> str:
     isa = "/".join(x for x in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if x in flags) or "?"
     model = (f"{info.get('vendor_id', '?')} {info.get('model name', '?')} (family {info.get('cpu family', '?')} "
              f"model {info.get('model', '?')} stepping {info.get('stepping', '?')}, {isa})")
-    from stages.blocks import reproducible
+    from stages.run import reproducible
 
     return (f"{model}, {os.cpu_count()} CPUs, torch {torch.__version__} "
             f"{torch.backends.cpu.get_cpu_capability()}, {DEFAULT_THREADS} threads by default, "

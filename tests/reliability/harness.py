@@ -26,7 +26,7 @@ from support import TINY as _TINY  # noqa: E402
 # run, so resume is checked byte for byte where a second intra-op thread computes half the rows.
 TINY = list(_TINY)
 
-# Every named fault point (OPD_FAULT=<point>[:<n>][@kill|term|int|enospc], stages/blocks/store.py `fault`).
+# Every named fault point (OPD_FAULT=<point>[:<n>][@kill|term|int|enospc], stages/run/store.py `fault`).
 # Store.ensure fires <stage>.before (temp dir made, nothing computed) and <stage>.after (published)
 # for every content-addressed stage (those of a default run below); the rest sit where their names say.
 FAULT_POINTS = [
@@ -169,7 +169,7 @@ def leftovers(artifacts: Path) -> list[str]:
 
 def invalid_published(artifacts: Path) -> list[str]:
     """Published store dirs whose manifest does not verify (a fresh Store: nothing cached)."""
-    from stages.blocks.store import Store
+    from stages.run.store import Store
 
     st = Store(artifacts)
     import contextlib

@@ -1,5 +1,5 @@
 """The intra-op thread count changes no byte of a CPU run (MKL in strict reproducibility mode, which
-every `opd` process and this suite's fork server set before torch loads; stages/blocks/reproducible.py),
+every `opd` process and this suite's fork server set before torch loads; stages/run/reproducible.py),
 and every stage records the stack that computed it, outside its identity."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 from harness import differences
 
-from stages.blocks import reproducible
+from stages.run import reproducible
 from support import DEFAULT_THREADS
 
 

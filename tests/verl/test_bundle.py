@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from support import opd
-from stages.blocks import config, tables
+from stages.run import config
+from stages.rows import tables
 from stages.verl import bundle, keys
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from support import ROOT, opd
-from stages.blocks.errors import UserError
+from stages.errors import UserError
 from stages.verl import compat, fields
 
 

@@ -10,8 +10,8 @@ import torch
 
 from support import TINY, opd, session
 from stages import prepare
-from stages.blocks import prompts, tables
-from stages.blocks.errors import UserError
+from stages.rows import prompts, tables
+from stages.errors import UserError
 
 
 @pytest.mark.parametrize("policy", ["left", "right", "middle"])

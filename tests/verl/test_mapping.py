@@ -7,8 +7,8 @@ import re
 import pytest
 import yaml
 
-from stages.blocks import config
-from stages.blocks.errors import UserError
+from stages.run import config
+from stages.errors import UserError
 from stages.verl import fields, mapping, rules
 
 PROFILES = mapping.profile_names()

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from support import opd
-from stages.blocks.errors import UserError
+from stages.errors import UserError
 from stages.verl import modeldir
 
 from tinymodels import tokenizer_source, write_model

@@ -9,10 +9,10 @@ import torch
 
 from support import session
 from stages import objectives
-from stages.blocks import rewards, tables
-from stages.blocks.config import compose
-from stages.blocks.errors import UserError
-from stages.blocks.store import read_state
+from stages.rows import rewards, tables
+from stages.run.config import compose
+from stages.errors import UserError
+from stages.run.store import read_state
 from stages.update import trajectory_advantages
 
 

@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from support import session
-from stages.blocks import selection
-from stages.blocks.config import SelectionCfg
-from stages.blocks.errors import UserError
-from stages.blocks.store import read_state
+from stages.run import selection
+from stages.run.config import SelectionCfg
+from stages.errors import UserError
+from stages.run.store import read_state
 
 
 def masks(*lens, zero_at=None):
@@ -87,7 +87,7 @@ def test_bad_selection_settings_name_the_key(kw, key):
 
 def test_score_records_selection_and_update_trains_on_it(work):
     from stages import rollout, score, train, update
-    from stages.blocks import batch
+    from stages.engine import batch
 
     sess = session(work, "selection.mode=uniform_ratio", "selection.ratio=0.5", "train.updates=1")
     train.ensure_policy(sess, 0)
@@ -105,7 +105,7 @@ def test_score_records_selection_and_update_trains_on_it(work):
     u = update.run(sess, 1)
     assert read_state(u)["loss"] > 0
     # replay: the same digest selects the same positions
-    from stages.blocks.store import seed_of
+    from stages.run.store import seed_of
 
     ro = sess.table("rollout", sess.rollout_digest(1), "rollout.parquet", batch.ROLLOUT_NEEDS)
     again = score.select_positions(sess, ro, seed_of(st["digest"]))
@@ -116,7 +116,7 @@ def test_update_with_keep_equals_update_with_the_mask_zeroed(work):
     import torch
 
     from stages import update
-    from stages.blocks import lmhead
+    from stages.engine import lmhead
 
     sess = session(work)
     student = sess.student()

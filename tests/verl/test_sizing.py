@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from support import TINY, opd
-from stages.blocks import config
-from stages.blocks.errors import UserError
+from stages.run import config
+from stages.errors import UserError
 from stages.verl import sizing
 from stages.verl.sizing import Cluster
 

@@ -1,0 +1,224 @@
+"""The memory model of a training step: what each phase (rollout, score, update) holds under a
+placement, in bytes, from the models' shapes and our config (weight-free; stages/memory/plan.py chooses).
+
+What each phase holds (steady state, step >= 2; bytes; s = bytes of the compute dtype):
+  rollout  student weights + LoRA (fp32) + the engine's weights (s) + static KV cache
+           2 * layers * B * kv_heads * (prompt_bucket + max_new) * head_dim * s + prefill
+           activations B * P * (2H + 3I) * s + attention scores + sampling buffers [B, V] fp32 (with
+           CUDA graphs all of it in the captured prefill's and decode step's one pool, which stays)
+  score    teacher weights + forward activations t * max(2H + 3I, 2H + 5 q_dim) * s + hidden
+           states + one chunk of logits: 3 * chunk * V * 4 (log_softmax, exp, product for entropy)
+  update   student weights + LoRA + grads (fp32) + saved activations t * (layers * a + 4H)
+           (a per token and layer, `saved_per_token_layer`; with train.activation_checkpointing
+           t * (layers * H * s + 4H) plus one layer's t * a recomputed in the backward) + backward
+           scratch t * (2H + 3I) * 4 or the loss chunk 4 * chunk * V * 4, whichever is larger
+           (eager); a captured update's pool holds its activations and backward scratch together,
+           across phases, and the loss chunk comes on top
+The student's LoRA grads and AdamW moments (2 x fp32) stay resident between steps, as does the
+engine's copy (q/k/v and gate/up fused, targeted o/down merged); with memory.merge_in_place there is
+no copy on the device (the engine merges into the student's own weights and restores them from host memory). Under resident every phase also
+holds the idle role; under swap it waits in host memory (with its moments and engine); under
+shared_backbone the teacher is the student's base (no second copy). t = B * (P + max_new).
+The activation terms were checked against autograd's saved tensors (CPU, real SmolLM2-360M
+widths): within 1% for bf16 and fp32.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .. import objectives
+from ..engine.graphs import BUCKET as FORWARD_BUCKET
+from .shapes import (
+    Shape,
+    dequant_bytes,
+    engine_copy_bytes,
+    forward_bytes,
+    head_copy_bytes,
+    lora_params,
+    pristine_bytes,
+    saved_per_token_layer,
+    weight_bytes,
+)
+
+PHASES = ("rollout", "score", "update")
+ENGINE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}  # stages/engine/sampler.py SUPPORTED (no torch import here)
+ENV_TOOL_TOKENS = 32  # assumed tokens of one tool message per turn (env rollouts): the env decides
+
+
+def graphed_roles(cfg, device: str) -> set[str]:
+    """The roles whose teacher-forced forwards replay CUDA graphs (stages/engine/graphs.py; the plan
+    and Session both ask here): runtime.cuda_graphs on CUDA, single-turn prompts (one padded length
+    for the run: multi-turn episodes vary, and a capture mid-run could meet the publish thread's
+    device sync), no compiled layers (their own kernels), dense weights (bitsandbytes is not
+    captured); the student also without LoRA dropout (a capture's warm-up passes would draw from the
+    generator the update seeds). With activation checkpointing the captured backward recomputes each
+    layer (models.enable_activation_checkpointing: no RNG state to stash without dropout). Not the
+    placement: it changes nothing computed (swap frees a role's graphs before it moves and captures
+    them again)."""
+    env = getattr(cfg, "env", None)
+    if device != "cuda" or not cfg.runtime.cuda_graphs or cfg.runtime.compile_layers or (env is not None and env.name):
+        return set()
+    roles = {"teacher"} if cfg.teacher.quant == "none" else set()
+    if cfg.student.quant == "none" and not cfg.lora.dropout:
+        roles.add("student")
+    return roles
+
+
+# ---- the workload and the phases ----
+
+@dataclass
+class Ctx:
+    cfg: object
+    device: str  # cuda | cpu (the target: planning for CUDA needs no GPU here)
+    dtype: str
+    s: int
+    S: Shape
+    T: Shape
+
+    @property
+    def engine(self) -> bool:
+        """The fast rollout engine runs (merged LoRA copy, static KV cache; an NF4 base from a dense copy)
+        or the transformers fallback (int8)."""
+        return self.S.model_type in ENGINE_TYPES and self.cfg.student.quant in ("none", "nf4")
+
+
+def in_place(x: Ctx) -> bool:
+    """memory.merge_in_place takes effect: the engine samples from the student's own weights."""
+    return x.engine and x.cfg.student.quant == "none" and x.cfg.memory.merge_in_place
+
+
+def workload(x: Ctx) -> dict:
+    cfg, r = x.cfg, x.cfg.rollout
+    B, P = r.batch_size * r.n, cfg.data.max_prompt_tokens
+    env = getattr(cfg, "env", None)
+    N = env.max_turns * (env.max_tokens_per_turn + ENV_TOOL_TOKENS) if env is not None and env.name \
+        else r.max_new_tokens
+    graphs = x.device == "cuda" and r.cuda_graphs and x.engine
+    n = B * N
+    sel, n_sel = getattr(cfg, "selection", None), n
+    if sel is not None and sel.mode == "uniform_ratio":
+        n_sel = max(1, math.ceil(n * sel.ratio))
+    elif sel is not None and sel.mode == "uniform_budget" and sel.budget:
+        n_sel = min(n, sel.budget)
+    T = -(-(P + N) // FORWARD_BUCKET) * FORWARD_BUCKET if x.device == "cuda" else P + N  # the padded layout
+    return {"sequences": B, "prompt_tokens": P, "prompt_bucket": -(-P // 16) * 16 if graphs else P,
+            "new_tokens": N, "tokens": B * T, "response_positions": n, "head_positions": n_sel,
+            "chunk": min(cfg.train.chunk, n_sel), "vocab": x.S.vocab, "cuda_graphs": graphs}
+
+
+def _label(quant: str, dq: bool, dtype: str) -> str:
+    return {"none": dtype, "nf4": "nf4 + double quant" if dq else "nf4", "int8": "int8"}[quant]
+
+
+def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]]:
+    """(role, component, bytes, alt) held during each phase under `placement`. Items with alt=True
+    happen one after another within the phase (e.g. forward activations, then a logits chunk): only
+    the largest of them counts toward the phase's peak (`total`)."""
+    cfg, S, T, s = x.cfg, x.S, x.T, x.s
+    w = workload(x)
+    B, P, Pb, N, t = w["sequences"], w["prompt_tokens"], w["prompt_bucket"], w["new_tokens"], w["tokens"]
+    n, c, V, k = w["head_positions"], w["chunk"], S.vocab, cfg.objective.topk
+    moves = placement == "swap" and x.device != "cpu"  # on CPU the "device" is host memory
+    shared = placement == "shared_backbone"
+    sq, tq = cfg.student.quant, cfg.teacher.quant
+    sdq, tdq = getattr(cfg.student, "double_quant", False), getattr(cfg.teacher, "double_quant", False)
+    lora = lora_params(S, cfg.lora) * 4
+    stud = [("student", f"weights ({_label(sq, sdq, x.dtype)})", weight_bytes(S, sq, sdq, s), False),
+            ("student", "LoRA (fp32)", lora, False),
+            ("student", "LoRA grads (fp32, kept from the last update)", lora, False),
+            ("student", "AdamW moments (2 x fp32, resident between steps)", 2 * lora, False)]
+    L = Pb + N
+    kv = 2 * S.layers * B * S.kv_heads * L * S.head_dim * s
+    pick = B * V * (s + 16 + (21 if cfg.rollout.top_p < 1 else 0))  # head output + fp32 logits/logp/probs/cdf
+    gqa = 2 * B * S.heads * L * S.head_dim * s if S.heads != S.kv_heads else 0  # math SDPA repeats k/v
+    if not x.engine:
+        eng = []
+    elif in_place(x):  # the student's own weights: on CUDA no copy, unless LoRA targets the head (a merged copy);
+        # on CPU the pristine copy of the projections lives in the same memory
+        held = ([] if x.device == "cuda" else ["their pristine copy"]) + \
+            (["the LM head's merged copy"] if head_copy_bytes(S, cfg.lora, s) else [])
+        eng = [("student", f"rollout engine weights: the student's own, LoRA merged in place for each rollout "
+                f"({' + '.join(held)})", (0 if x.device == "cuda" else pristine_bytes(S, s))
+                + head_copy_bytes(S, cfg.lora, s), False)]
+    else:
+        eng = [("student", "rollout engine weights (fused q/k/v, gate/up; merged LoRA"
+                + ("; every projection dequantized from NF4)" if sq == "nf4" else ")"),
+                engine_copy_bytes(S, cfg.lora, s, dense=sq == "nf4"), False)]
+    big = max(i * o for i, o in S.proj().values())
+    prefill = B * Pb * (2 * S.hidden + 3 * S.inter) * s + 2 * B * S.heads * Pb * L * 4 + gqa  # activations + scores
+    if x.engine and w["cuda_graphs"]:  # the captured prefill and decode step keep their static state and pool
+        eng.append(("student", f"captured prefill + decode graphs (one pool): static KV cache [{S.layers}, 2, "
+                    f"{B}, {S.kv_heads}, {L}, {S.head_dim}] + the larger of the two scratches",
+                    kv + pick + max(prefill, gqa + B * (2 * S.hidden + 3 * S.inter) * s), False))
+        if sq != "nf4" and not moves:  # the captured LoRA re-merge (sampler.Engine.refresh) keeps its scratch
+            eng.append(("student", "captured LoRA re-merge (graph pool: fp32 merge of one projection)",
+                        3 * big * 4, False))
+    teach = [("teacher", "weights: the student's base (shared, counted once)", 0, False)] if shared else \
+        [("teacher", f"weights ({_label(tq, tdq, x.dtype)})", weight_bytes(T, tq, tdq, s), False)]
+    # CUDA graphs of the teacher-forced forwards: each graph's pool keeps its forward's memory at
+    # fixed addresses while the role stays on the device, so every phase holds it; under swap a role's
+    # graphs are freed before each move (its own phase holds about what eager does: the capture's
+    # passes, one at a time)
+    graphed = set() if moves else graphed_roles(cfg, x.device)
+    t_fwd = forward_bytes(T, t, s) + t * T.hidden * s  # the teacher's forward activations + hidden states
+    a, scratch = saved_per_token_layer(S, cfg.lora, s), t * (2 * S.hidden + 3 * S.inter) * 4
+    saved = t * (S.layers * a + 4 * S.hidden)  # the student's saved activations (update)
+    ckpt = getattr(cfg.train, "activation_checkpointing", False)
+    ck_inputs = t * (S.layers * S.hidden * s + 4 * S.hidden)  # checkpointed: each layer keeps only its input
+    t_pool = [("teacher", "captured scoring forward (graph pool: activations + hidden states)", t_fwd, False)] \
+        if "teacher" in graphed else []
+    held, what = (ck_inputs + t * a, "checkpointed layer inputs + one layer recomputed") if ckpt else \
+        (saved, "saved activations")
+    s_pool = [("student", f"captured update forward + backward (graph pool: {what} + backward scratch)",
+               held + scratch, False)] if "student" in graphed else []
+    out: dict[str, list] = {}
+
+    ro = stud + eng + ([] if moves else teach)
+    if x.engine:
+        if moves:  # the engine is rebuilt inside each rollout: fp32 scratch of one merge
+            ro.append(("student", "engine build scratch (fp32 merge of one projection)", 3 * big * 4, True))
+        if not w["cuda_graphs"]:  # (with graphs: the captured state and pool above)
+            ro += [("student", f"KV cache of this call [{S.layers}, 2, {B}, {S.kv_heads}, {L}, {S.head_dim}]", kv,
+                    False),
+                   ("student", f"prefill activations ({B} x {Pb} tokens) + attention scores", prefill, True),
+                   ("student", "sampling buffers [B, V] fp32", pick, True)]
+    else:  # transformers fallback: dynamic cache, LoRA unmerged, logits of every prompt position
+        ro += [("student", f"KV cache (dynamic) [{S.layers}, {B}, {S.kv_heads}, {P + N}, {S.head_dim}] x2",
+                2 * S.layers * B * S.kv_heads * (P + N) * S.head_dim * s, False),
+               ("student", f"prefill logits [{B}, {P}, {V}]", B * P * V * s, False),
+               ("student", f"prefill activations ({B} x {P} tokens)", forward_bytes(S, B * P, s), True),
+               ("student", "sampling buffers [B, V] fp32", pick, True),
+               ("student", "quantized matmul scratch", dequant_bytes(S, sq, B * P, s), False)]
+    out["rollout"] = ro + t_pool + s_pool
+
+    sc = ([] if moves else stud + eng) + teach
+    tquant = sq if shared else tq
+    sc += t_pool or [("teacher", f"forward activations ({t} tokens) + last hidden states [{t}, H]", t_fwd, True)]
+    sc += s_pool + [("teacher", f"logits chunk [{c}, {V}] fp32 x3 (log_softmax, exp, entropy term)", 3 * c * V * 4, True),
+                    ("teacher", f"selected hidden states [{n}, H]", n * T.hidden * s, False),
+                    ("teacher", "log-probs, entropy, top-k ids and log-probs", n * (8 + 12 * k), False),
+                    ("teacher", "quantized matmul scratch", dequant_bytes(T, tquant, t, s), False)]
+    out["score"] = sc
+
+    full = "full" in objectives.needs(cfg.objective)
+    up = stud + ([] if moves else eng + teach + t_pool)
+    if s_pool:
+        up += s_pool
+    elif ckpt:
+        up += [("student", f"checkpointed layer inputs ({t} tokens x {S.layers} layers)", ck_inputs, False),
+               ("student", "backward: one layer's activations recomputed + scratch", t * a + scratch, True)]
+    else:
+        up += [("student", f"saved activations ({t} tokens x {S.layers} layers)", saved, False),
+               ("student", "backward scratch (one layer)", scratch, True)]
+    up += [("student", f"loss chunk [{c}, {V}] fp32 x4" + (" + teacher logits" if full else "")
+            + f" + hidden-state grad [{n}, H]", (5 if full else 4) * c * V * 4 + n * S.hidden * s, True),
+           ("student", "quantized matmul scratch", dequant_bytes(S, sq, t, s), False)]
+    out["update"] = up
+
+    return {ph: [i for i in items if i[2] or "shared" in i[1]] for ph, items in out.items()}
+
+
+def phase_total(items) -> int:
+    """Held items add up; of the one-after-another (alt) items only the largest counts."""
+    return sum(b for *_, b, alt in items if not alt) + max((b for *_, b, alt in items if alt), default=0)

@@ -1,0 +1,327 @@
+"""`opd plan`: a weight-free memory plan. Reads only the models' config files (config.json, the
+embedded GGUF's header, conf/arch/*.json) and our config, estimates the peak memory of every phase
+under every placement, picks one (memory.placement=auto) and refuses an infeasible plan naming
+the settings that would make it fit. `--probe` (CUDA) puts measured peaks beside the estimates.
+The per-phase memory model is stages/memory/phases.py.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import sys
+
+from ..errors import UserError
+from .placement import GIB, device_total
+from .phases import ENV_TOOL_TOKENS, Ctx, in_place, phase_total, phases, workload
+from .shapes import lora_params, pristine_bytes, shape_of, weight_bytes
+
+PLACEMENTS = ("resident", "swap", "shared_backbone")
+
+
+# ---- placements ----
+
+BASE_KEYS = ("name", "revision", "init", "keep_layers", "quant", "double_quant", "trust_remote_code", "tokenizer")
+
+
+def refusal(cfg, placement: str) -> str | None:
+    """Why `placement` cannot run this config (None: it can). Weight-free."""
+    if placement in ("swap", "shared_backbone") and cfg.memory.merge_in_place:
+        return (f"memory.placement={placement} with memory.merge_in_place=true: "
+                + ("swap moves the student to host memory and back, which would undo its weights' fused layout"
+                   if placement == "swap" else "the teacher reads the student's base while a rollout has "
+                   "the LoRA merged into it") + "; use memory.placement=resident or memory.merge_in_place=false")
+    if placement == "swap":
+        for role in ("student", "teacher"):
+            q = getattr(cfg, role).quant
+            if q != "none":
+                return (f"memory.placement=swap: {role}.quant={q} is a bitsandbytes-quantized role whose weights "
+                        f"cannot move to host memory and back; use memory.placement=resident (or {role}.quant=none)")
+    if placement == "shared_backbone":
+        diff = [k for k in BASE_KEYS if getattr(cfg.student, k, None) != getattr(cfg.teacher, k, None)]
+        if diff:
+            d = ", ".join(f"student.{k}={getattr(cfg.student, k)!r} vs teacher.{k}={getattr(cfg.teacher, k)!r}"
+                          for k in diff)
+            return (f"memory.placement=shared_backbone needs the teacher to be the student's base, but the bases "
+                    f"differ ({d}); use memory.placement=resident or swap")
+        if getattr(cfg, "teacher_mode", "raw") == "protocol_sft":
+            return ("memory.placement=shared_backbone: teacher_mode=protocol_sft gives the teacher its own adapter; "
+                    "a shared backbone here only disables the student's; use memory.placement=resident or swap")
+    return None
+
+
+def check_placement(cfg, placement: str) -> None:
+    why = refusal(cfg, placement)
+    if why:
+        raise UserError(why)
+
+
+def _evaluate(x: Ctx) -> dict:
+    res = {}
+    for p in PLACEMENTS:
+        why = refusal(x.cfg, p)
+        if why:
+            res[p] = {"refused": why}
+            continue
+        ph = phases(x, p)
+        tot = {name: phase_total(items) for name, items in ph.items()}
+        worst = max(tot, key=tot.get)
+        res[p] = {"phases": ph, "totals": tot, "peak": tot[worst], "peak_phase": worst}
+    return res
+
+
+def _choose(cfg, ev: dict, usable: float) -> tuple[str, str]:
+    req = cfg.memory.placement
+    if req != "auto":
+        if "refused" in ev[req]:
+            raise UserError(ev[req]["refused"])
+        return req, f"memory.placement={req} (requested)"
+    ok = [p for p in ("shared_backbone", "resident", "swap") if "refused" not in ev[p]]
+    g = lambda p: ev[p]["peak"] / GIB  # noqa: E731
+    for p in ok:
+        if ev[p]["peak"] <= usable:
+            if p == "shared_backbone":
+                saved = ev["shared_backbone"]["peak"] - ev["resident"]["peak"]
+                return p, (f"student and teacher are the same base: one copy of the weights "
+                           f"({-saved / GIB:.2f} GiB less than resident)")
+            if p == "resident":
+                return p, (f"both roles fit on the device (peak {g(p):.2f} of {usable / GIB:.2f} GiB usable): "
+                           "nothing moves")
+            return p, (f"resident needs {g('resident'):.2f} GiB > {usable / GIB:.2f} usable; swap keeps one role "
+                       f"on the device at a time (peak {g(p):.2f} GiB)")
+    best = min(ok, key=g)
+    return best, f"nothing fits {usable / GIB:.2f} GiB usable; {best} needs the least ({g(best):.2f} GiB)"
+
+
+# ---- the plan ----
+
+def _target(cfg) -> tuple[str, str, int]:
+    """(device type, dtype name, bytes per element) the run will use. Planning for CUDA needs no GPU."""
+    dev = cfg.runtime.device
+    if dev == "auto":
+        import torch
+
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = cfg.runtime.dtype if cfg.runtime.dtype != "auto" else ("bfloat16" if dev == "cuda" else "float32")
+    return dev, {"bfloat16": "bf16", "float32": "fp32"}[dtype], {"bfloat16": 2, "float32": 4}[dtype]
+
+
+def _budget(cfg, device: str) -> tuple[int, str]:
+    if cfg.memory.vram_gib is not None:
+        return int(cfg.memory.vram_gib * GIB), "memory.vram_gib"
+    return device_total(device)
+
+
+def _ctx(cfg, shapes: dict) -> Ctx:
+    dev, dtype, s = _target(cfg)
+    key = lambda m: (m.name, m.revision, m.keep_layers)  # noqa: E731  what a shape depends on
+    for role in ("student", "teacher"):
+        m = getattr(cfg, role)
+        if key(m) not in shapes:
+            shapes[key(m)] = shape_of(m, role)
+    return Ctx(cfg, dev, dtype, s, shapes[key(cfg.student)], shapes[key(cfg.teacher)])
+
+
+def _set(cfg, dotted: str, value):
+    obj = cfg
+    *path, last = dotted.split(".")
+    for part in path:
+        obj = getattr(obj, part)
+    setattr(obj, last, value)
+
+
+def _could_merge_in_place(cfg) -> bool:
+    """memory.merge_in_place is off and could be turned on (it needs an unquantized student)."""
+    return cfg.student.quant == "none" and not cfg.memory.merge_in_place
+
+
+def _variants(cfg):
+    """Groups of single changes that lower the peak, most specific first: (label, [(key, value)])."""
+    if cfg.memory.placement != "auto":
+        yield "placement", [[("memory.placement", p)] for p in PLACEMENTS if p != cfg.memory.placement]
+    if not getattr(cfg.train, "activation_checkpointing", True):
+        yield "checkpointing", [[("train.activation_checkpointing", True)]]
+    if _could_merge_in_place(cfg):
+        yield "in_place", [[("memory.merge_in_place", True)]]
+    chunks, c = [], cfg.train.chunk // 2
+    while c >= max(1, cfg.memory.chunk_floor):
+        chunks.append([("train.chunk", c)])
+        c //= 2
+    yield "chunk", chunks
+    q = [[(f"{role}.quant", "nf4")] for role in ("student", "teacher")  # (an NF4 student is not merged in place)
+         if getattr(cfg, role).quant == "none" and _bitsandbytes()
+         and not (role == "student" and cfg.memory.merge_in_place)]
+    yield "quant", q + ([q[0] + q[1]] if len(q) == 2 else [])
+    bs, b = [], cfg.rollout.batch_size // 2
+    while b >= 1:
+        bs.append([("rollout.batch_size", b)])
+        b //= 2
+    yield "batch", bs
+
+
+def _best_peak(cfg, shapes: dict, usable: float) -> tuple[float, str]:
+    ev = _evaluate(_ctx(cfg, shapes))
+    if cfg.memory.placement != "auto":
+        if "refused" in ev[cfg.memory.placement]:
+            return math.inf, cfg.memory.placement
+        return ev[cfg.memory.placement]["peak"], cfg.memory.placement
+    p, _ = _choose(cfg, ev, usable)
+    return ev[p]["peak"], p
+
+
+def _try(cfg, changes, shapes: dict, usable: float) -> dict:
+    v = copy.deepcopy(cfg)
+    for k, val in changes:
+        _set(v, k, val)
+    peak, placement = _best_peak(v, shapes, usable)
+    return {"set": dict(changes), "peak_gib": round(peak / GIB, 4), "placement": placement, "fits": peak <= usable}
+
+
+def suggestions(cfg, shapes: dict, usable: float) -> list[dict]:
+    """Settings that would make an infeasible plan fit: from each group, the mildest change that fits.
+    When no single change fits, the one entry is every group's strongest change at once (fits or not)."""
+    out, strongest = [], []
+    for label, group in _variants(cfg):
+        for changes in group:
+            t = _try(cfg, changes, shapes, usable)
+            if t["fits"]:
+                out.append(t)
+                break
+        if group and label not in ("placement", "checkpointing", "in_place"):
+            strongest += group[-1]
+    if not out and strongest:
+        out.append(_try(cfg, strongest, shapes, usable))
+    return out
+
+
+def _gib(b: float) -> float:
+    return round(b / GIB, 4)
+
+
+def _bitsandbytes() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def estimate(cfg, shapes: dict | None = None) -> dict:
+    """The whole plan as a JSON-able dict (what `opd plan --out` writes); loads no weights."""
+    for role in ("student", "teacher"):
+        q = getattr(cfg, role).quant
+        if q != "none" and not _bitsandbytes():
+            raise UserError(f"key '{role}.quant' = {q!r} needs bitsandbytes: pip install 'opd-stages[quant]'")
+    shapes = {} if shapes is None else shapes
+    x = _ctx(cfg, shapes)
+    budget, source = _budget(cfg, x.device)
+    if budget <= 0:
+        raise UserError(f"key 'memory.vram_gib' = {cfg.memory.vram_gib}; expected a positive number of GiB")
+    usable = budget * (1 - cfg.memory.margin)
+    ev = _evaluate(x)
+    chosen, why = _choose(cfg, ev, usable)
+    sel = ev[chosen]
+    models_out = {}
+    for role, sh in (("student", x.S), ("teacher", x.T)):
+        m = getattr(cfg, role)
+        models_out[role] = {"source": sh.source, "model_type": sh.model_type, "layers": sh.layers,
+                            "hidden": sh.hidden, "intermediate": sh.inter, "heads": sh.heads,
+                            "kv_heads": sh.kv_heads, "head_dim": sh.head_dim, "vocab": sh.vocab,
+                            "tied_embeddings": sh.tied, "params": sh.params(), "quant": m.quant,
+                            "weights_gib": _gib(weight_bytes(sh, m.quant, getattr(m, "double_quant", False), x.s))}
+    models_out["student"]["lora_params"] = lora_params(x.S, cfg.lora)
+    models_out["student"]["rollout_engine"] = ("transformers fallback" if not x.engine else
+                                               "fast (dense copy of the NF4 base, merged LoRA)"
+                                               if cfg.student.quant == "nf4" else
+                                               "fast (LoRA merged into the student's own weights)" if in_place(x)
+                                               else "fast (merged LoRA)")
+    placements = {}
+    for p, r in ev.items():
+        if "refused" in r:
+            placements[p] = {"refused": r["refused"]}
+            continue
+        placements[p] = {
+            "peak_gib": _gib(r["peak"]), "peak_phase": r["peak_phase"], "feasible": r["peak"] <= usable,
+            "phases": {ph: {"total_gib": _gib(r["totals"][ph]),
+                            "items": [{"role": ro, "component": what, "gib": _gib(b), "bytes": int(b),
+                                       "one_at_a_time": alt} for ro, what, b, alt in items]}
+                       for ph, items in r["phases"].items()}}
+    notes = ["steady state (step >= 2): step 1 has no LoRA grads, Adam moments or (rollout) teacher yet",
+             "each rollout merges the LoRA into the student's own weights, one projection at a time (fp32 scratch)"
+             if in_place(x) else
+             "after each update the engine re-merges in place, one projection at a time (fp32 scratch)",
+             "evaluate is not planned: it holds both roles' weights (no gradients, no optimizer)"]
+    if cfg.memory.placement == "swap" and x.device == "cpu":
+        notes.append("on CPU the device is host memory: swap moves nothing")
+    if getattr(getattr(cfg, "env", None), "name", None):
+        notes.append(f"env rollouts: response = max_turns x (max_tokens_per_turn + {ENV_TOOL_TOKENS} assumed "
+                     "tool tokens)")
+    if in_place(x):
+        b = pristine_bytes(x.S, x.s)
+        # torch's pinned-memory allocator rounds each allocation up to a power of two (by default:
+        # ATen/core/CachingHostAllocator.h, read in torch 2.13's source; not measured)
+        notes.append(f"memory.merge_in_place: the student's projections' pristine copy, {_gib(b):.2f} GiB, stays in "
+                     "host memory" + (f", pinned ({_gib(2 ** math.ceil(math.log2(b))):.2f} GiB of page-locked memory: "
+                                      "the pinned allocator rounds up to a power of two), copied back to the device "
+                                      "after each rollout" if x.device == "cuda" else ""))
+    if x.device == "cuda":
+        notes.append("CUDA context and allocator fragmentation are outside these figures: memory.margin covers them")
+        if chosen == "swap" and cfg.memory.placement == "auto":
+            # swap moves a role on and off the device every phase; checkpointing keeps both resident
+            # for one captured recompute (README, "Performance": 2% of the H200 seed step), and
+            # merging in place drops the engine's copy (4% there): the first of these that fits
+            ck, ip = ("train.activation_checkpointing", True), ("memory.merge_in_place", True)
+            can_ck = not cfg.train.activation_checkpointing
+            can_ip = _could_merge_in_place(cfg)
+            tries = [c for c, ok in (([ck], can_ck), ([ip], can_ip), ([ck, ip], can_ck and can_ip)) if ok]
+            gain = {ck: "the checkpointed update replays a captured graph", ip: "the engine keeps no merged copy"}
+            for changes in tries:
+                t = _try(cfg, changes + [("memory.placement", "resident")], shapes, usable)
+                if t["fits"]:
+                    notes.append(f"resident fits with {_overrides(dict(changes))} (peak {t['peak_gib']:.2f} GiB): "
+                                 f"{' and '.join(gain[c] for c in changes)}, where swap moves a role on and off the "
+                                 "device every phase")
+                    break
+    else:
+        notes.append("host RAM figures are tensors only: the Python process itself (libraries) comes on top")
+    out = {
+        "device": x.device, "dtype": x.dtype, "budget_gib": _gib(budget), "budget_source": source,
+        "margin": cfg.memory.margin, "usable_gib": _gib(usable), "models": models_out, "workload": workload(x),
+        "placement": {"requested": cfg.memory.placement, "chosen": chosen, "why": why},
+        "placements": placements, "phases": placements[chosen]["phases"],
+        "peak_gib": _gib(sel["peak"]), "peak_phase": sel["peak_phase"], "headroom_gib": _gib(usable - sel["peak"]),
+        "feasible": sel["peak"] <= usable, "suggestions": [], "notes": notes,
+    }
+    if not out["feasible"]:
+        out["suggestions"] = suggestions(cfg, shapes, usable)
+    return out
+
+
+def decide(cfg) -> tuple[str, str]:
+    """(placement, why) for a run, before any weights load: a refused placement is an error; an
+    infeasible plan is a warning (the estimate is an estimate; OOM retries and swap still apply)."""
+    if cfg.memory.placement != "auto":
+        check_placement(cfg, cfg.memory.placement)
+    try:
+        est = estimate(cfg)
+    except UserError as e:  # shapes unreadable (an unusual architecture): the plan cannot decide
+        if cfg.memory.placement != "auto":
+            return cfg.memory.placement, "requested"
+        print(f"warning: no memory plan ({e}); placement resident", file=sys.stderr)
+        return "resident", "no plan"
+    if not est["feasible"]:
+        print(f"warning: {infeasible_message(est)}", file=sys.stderr)
+    return est["placement"]["chosen"], est["placement"]["why"]
+
+
+def _overrides(changes: dict) -> str:
+    """Settings as the command line takes them (true/false, not Python's True/False)."""
+    return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items())
+
+
+def infeasible_message(est: dict) -> str:
+    sug = est["suggestions"]
+    fix = "; ".join(f"{_overrides(s['set'])} ({s['peak_gib']:.2f} GiB, {s['placement']})" for s in sug if s["fits"])
+    tried = "" if fix or not sug else f"; even {_overrides(sug[0]['set'])} needs {sug[0]['peak_gib']:.2f} GiB"
+    return (f"plan infeasible: peak {est['peak_gib']:.2f} GiB ({est['peak_phase']}, placement "
+            f"{est['placement']['chosen']}) > {est['usable_gib']:.2f} GiB usable of {est['budget_gib']:.2f} GiB "
+            f"({est['budget_source']}, memory.margin {est['margin']}); "
+            + (f"fits with: {fix}" if fix else "no change tried fits (chunk, nf4, swap, batch size)" + tried
+               + "; use a smaller pair or a larger device"))

@@ -1,0 +1,2 @@
+"""Rows and tables that flow between stages: the Parquet contracts and the in-memory hand-on cache,
+prompts, rewards, tool-use transcripts, trajectories and verl's rows (docs/architecture.md)."""

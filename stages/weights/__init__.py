@@ -1,0 +1,2 @@
+"""Models on disk and in memory: loading and converting, LoRA, adapter files, deferred imports and
+reading weights ahead (docs/architecture.md)."""

@@ -1,0 +1,97 @@
+"""stages/engine/warmup.py: the first calls it makes run at a model's shapes, draw no random numbers
+(the main thread seeds and draws from the global generators while it runs) and leave nothing behind;
+off CUDA nothing starts. Its GPU effect (the same bytes with it on or off) is tests/gpu/test_gpu_warmup.py."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from stages.engine import decoder, warmup
+
+CPU = torch.device("cpu")
+LLAMA = {"E": 64, "H": 4, "KV": 2, "D": 16, "I": 96, "V": 500, "eps": 1e-5, "act": "silu", "qk_norm": False,
+         "bias": False}
+
+
+def test_dims_read_a_config_json(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"model_type": "qwen3", "num_attention_heads": 16, "num_key_value_heads": 8,
+                             "hidden_size": 1024, "head_dim": 128, "intermediate_size": 3072,
+                             "vocab_size": 151936, "rms_norm_eps": 1e-6, "hidden_act": "silu"}))
+    assert warmup.dims(p) == {"E": 1024, "H": 16, "KV": 8, "D": 128, "I": 3072, "V": 151936, "eps": 1e-6,
+                              "act": "silu", "qk_norm": True, "bias": False}
+    p.write_text(json.dumps({"model_type": "llama", "num_attention_heads": 15, "hidden_size": 960,
+                             "intermediate_size": 2560, "vocab_size": 49152}))
+    d = warmup.dims(p)
+    assert (d["KV"], d["D"], d["qk_norm"], d["bias"]) == (15, 64, False, False)  # defaults as transformers'
+
+
+def test_its_work_draws_no_random_numbers_at_any_architecture_it_meets():
+    before = torch.random.get_rng_state()
+    for d in (LLAMA, {**LLAMA, "qk_norm": True}, {**LLAMA, "bias": True}):
+        W = warmup._weights(d, torch.float32, CPU)
+        for layer in (decoder.layer, decoder.fused_layer):  # (fused_layer falls back to the eager layer off CUDA)
+            for min_new in (0, 4):  # (the EOS blocked or not)
+                warmup._sample(W, 3, 16, 4, (1.0, 1.0, False), min_new, layer)
+        warmup._sample(W, 3, 16, 4, (0.7, 0.9, False), 0, decoder.layer)  # top-p's passes
+        warmup._sample(W, 3, 16, 4, (1.0, 1.0, True), 0, decoder.layer)  # greedy
+        warmup._teacher_forced(d, 3, 32, 0, torch.float32, CPU, train=False)
+        warmup._teacher_forced(d, 3, 32, 4, torch.float32, CPU, train=True)
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_nothing_starts_off_cuda(tmp_path, monkeypatch):
+    spawned = []
+    monkeypatch.setattr(warmup, "_spawn", lambda spec: spawned.append(spec))  # (a child is only reported once joined)
+    warmup.start(tmp_path / "config.json", tmp_path / "config.json", rows=2, prompt=16, new=4, length=32, rank=4,
+                 sampling=(1.0, 1.0, False), min_new=0, dtype=torch.float32, device=CPU, compiled=True, precompile=True)
+    assert warmup._RUNNING == [] and warmup.report() == {} and spawned == []
+    warmup.wait()  # nothing to join
+
+
+def test_a_failing_child_is_reported_in_one_line_not_raised(tmp_path, monkeypatch):
+    """The precompiling children run this package's module (found through the PYTHONPATH it is given,
+    whatever the working directory) and a failure becomes the warm-up's record, not the run's error:
+    here a config.json that is not there."""
+    monkeypatch.setattr(warmup, "_RESULT", {})
+    monkeypatch.chdir(tmp_path)
+    spec = {"config": str(tmp_path / "missing.json"), "rows": 2, "prompt": 16, "new": 4, "sampling": [1.0, 1.0, False],
+            "min_new": 0, "dtype": "bfloat16", "compiled": True, "device": 0}
+    warmup._join_children([warmup._spawn({**spec, "part": part}) for part in ("draw", "step")])
+    err = warmup.report()["precompile_error"]
+    assert "precompile_s" not in warmup.report() and "\n" not in err and len(err) <= 200
+    assert err.startswith("FileNotFoundError") and "missing.json" in err, err  # (not "No module named stages")
+
+
+def test_children_compile_only_what_the_engine_launches_one_core_each():
+    plain, top_p, greedy = (1.0, 1.0, False), (1.0, 0.9, False), (0.7, 1.0, True)
+    assert warmup.parts(True, plain, 16) == ("draw", "step")
+    assert warmup.parts(False, plain, 16) == ("draw",)  # (the eager step launches no Triton kernel)
+    assert warmup.parts(True, top_p, 16) == warmup.parts(True, greedy, 16) == ("step",)  # (torch's passes draw)
+    assert warmup.parts(False, greedy, 16) == ()  # nothing to compile
+    # a core for the main thread besides each child, else the parts share one child, or none starts
+    assert warmup.parts(True, plain, 3) == ("draw", "step")
+    assert warmup.parts(True, plain, 2) == ("all",) and warmup.parts(True, top_p, 2) == ("step",)
+    assert warmup.parts(True, plain, 1) == () == warmup.parts(False, plain, 1)
+    assert 1 <= warmup.cpus() <= (os.cpu_count() or 1)
+
+
+def test_children_share_one_deadline(monkeypatch):
+    """Each child waits only for what is left of one CHILD_TIMEOUT_S: two stuck children cost it
+    once, not twice, and both are killed and reported."""
+    monkeypatch.setattr(warmup, "_RESULT", {})
+    monkeypatch.setattr(warmup, "CHILD_TIMEOUT_S", 2.0)
+    slow = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    for p in slow:
+        p.started = time.perf_counter()
+    t = time.perf_counter()
+    warmup._join_children(slow)
+    assert time.perf_counter() - t < 3.5  # one deadline (a deadline each: >= 4 s)
+    assert all(p.returncode is not None for p in slow)
+    assert warmup.report()["precompile_error"] == "TimeoutExpired: still compiling after 2.0 s"

@@ -130,7 +130,7 @@ def run(sess: Session) -> dict:
     published = published_steps(sess)
     if len(published) < cfg.train.updates:
         # steps to compute, so both models will load: hash their dirs now, beside the student's load
-        # and its first rollout, not in line before each load (~1 s for the seed workload's 4.1 GB)
+        # and its first rollout, not in line before each load, where hashing gigabytes would hold it up
         for role in ("student", "teacher"):
             sess.store.verify_soon(sess.store.path("model", prepared[role]))
         if sess.device.type == "cuda":  # and Triton's cache key, which the first rollout's kernels need

@@ -265,8 +265,9 @@ def estimate(cfg, shapes: dict | None = None) -> dict:
         notes.append("CUDA context and allocator fragmentation are outside these figures: memory.margin covers them")
         if chosen == "swap" and cfg.memory.placement == "auto":
             # swap moves a role on and off the device every phase; checkpointing keeps both resident
-            # for one captured recompute (README, "Performance": 2% of the H200 seed step), and
-            # merging in place drops the engine's copy (4% there): the first of these that fits
+            # for one captured recompute and merging in place drops the engine's copy, each for a few
+            # percent of the seed step (docs/performance.md, "Evidence for the constants in the
+            # code"): the first of these that fits
             ck, ip = ("train.activation_checkpointing", True), ("memory.merge_in_place", True)
             can_ck = not cfg.train.activation_checkpointing
             can_ip = _could_merge_in_place(cfg)

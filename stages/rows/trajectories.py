@@ -76,9 +76,8 @@ def _decoder(ro_path: Path):
 @functools.lru_cache(maxsize=4)
 def _load_decode(path: str):
     """The `tokenizers` library's decode of the saved tokenizer.json where it is the whole story (no
-    clean-up of spaces), which is transformers' decode without importing transformers: `opd inspect`
-    of a step took 5.3 s with that import, 0.7 s without (docs/architecture.md, "Startup"). Else
-    transformers' own."""
+    clean-up of spaces), which is transformers' decode without importing transformers: that import
+    would be most of `opd inspect`'s time (docs/architecture.md, "Startup"). Else transformers' own."""
     d = Path(path)
     conf = json.loads((d / "tokenizer_config.json").read_text())
     if (d / "tokenizer.json").exists() and not conf.get("clean_up_tokenization_spaces"):

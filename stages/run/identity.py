@@ -37,7 +37,8 @@ MODEL_KEYS = ("name", "revision", "init", "keep_layers", "trust_remote_code", "t
 # device, dtype, (CPU) MKL's mode and, only where it changes bytes, the thread count: runtime_slice below
 RUNTIME = ("runtime",)
 # On CUDA, what the rollout engine replays from captured graphs (the value of rollout.cuda_graphs in
-# the CUDA digests): the prefill joined the decode step in 2026-12 (cuBLAS may choose otherwise under capture)
+# the CUDA digests): the prefill and the decode step. It names what is captured because cuBLAS may
+# choose another algorithm under capture, so capturing more can change the bytes
 ENGINE_GRAPHS = "prefill+decode"
 
 STAGES: dict[str, Stage] = {s.name: s for s in (

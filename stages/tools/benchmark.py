@@ -3,7 +3,7 @@
 CONFIG (YAML, e.g. conf/benchmark/tooluse.yaml):
 
     schema_version: 1
-    name: 2026-11-30-cpu-tooluse        # output files <out_dir>/<name>.json and .md
+    name: cpu-tooluse                   # output files <out_dir>/<name>.json and .md
     out_dir: benchmarks/results
     description: one paragraph for the Markdown
     seeds: [0, 1]

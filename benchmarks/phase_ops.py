@@ -20,7 +20,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import stages  # noqa: E402,F401  (before torch: MKL's reproducibility mode)
+from stages.tools.process import process_settings  # noqa: E402
+
+process_settings()  # before torch, as `opd` does (stages/cli.py)
 
 SEEDED = ("model", "tokenizer", "prompts", "prepared", "init")
 

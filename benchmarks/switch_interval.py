@@ -32,7 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 _tree = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--tree=")),
              sys.argv[sys.argv.index("--tree") + 1] if "--tree" in sys.argv[:-1] else str(ROOT))
 sys.path.insert(0, _tree)  # (before the imports below: --tree's `stages`)
-import stages  # noqa: E402,F401  (before torch: the package's process settings)
+from stages.tools.process import process_settings  # noqa: E402
+
+process_settings()  # before torch, as `opd` does (stages/cli.py)
 import torch  # noqa: E402
 
 from stages.weights import adapters, ahead, lora  # noqa: E402

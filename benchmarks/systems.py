@@ -32,7 +32,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))  # cpu_peer (miniVERL recipe and launcher)
-import stages  # noqa: E402,F401  (before torch anywhere in this process: MKL's reproducibility mode)
+from stages.tools.process import process_settings  # noqa: E402
+
+process_settings()  # before torch anywhere in this process, as `opd` does (stages/cli.py)
 
 WORKLOAD_A = dict(student="smollm2-360m", teacher="smollm2-1.7b", prompts=4, prompt_tokens=128, response=64,
                   updates=8, topk=32)

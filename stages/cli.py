@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import argparse
 import errno
-import re
 import signal
 import sys
 from pathlib import Path
+
+from .tools.process import process_settings, quiet_libraries
 
 from .errors import EXIT_NO_SPACE, Interrupted, UserError, install_signal_handlers
 
@@ -313,48 +314,16 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-# Third-party notices known to be harmless here, each silenced by its own text (and nothing else):
-# - bitsandbytes, at import on an AVX512-BF16 CPU: an optional kernel package is absent (it falls back
-#   to its own kernel; we never need the other)
-# - transformers' `is_gradient_checkpointing` deprecation: PEFT calls it, not our code
-QUIET_LOGS = {"bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community"}
-QUIET_WARNINGS = [(FutureWarning, "`is_gradient_checkpointing` is deprecated")]
-
-
-def _quiet_libraries(verbose: bool = False) -> None:
-    """Without --verbose: the notices above are dropped, and third-party progress bars (the embedded
-    model's GGUF dequantisation, weight loading, hub) are off; ours show on a terminal only."""
-    import logging
-    import os
-    import warnings
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if verbose:
-        return
-    for name, text in QUIET_LOGS.items():
-        logging.getLogger(name).addFilter(lambda r, text=text: not r.getMessage().startswith(text))
-    for category, text in QUIET_WARNINGS:
-        warnings.filterwarnings("ignore", message=re.escape(text), category=category)
-    # tqdm reads TQDM_* at import: the GGUF conversion bar (tqdm.auto, not transformers' switch) stays off
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    # the hub's bars, and transformers', which read it as transformers is imported; transformers is
-    # not imported for this (0.82 s of the H200 host's first update, -63cb842-first-update.md, that a
-    # command loading no model does not need), only switched off here if something imported it already
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if sys.modules.get("transformers") is not None:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-
 
 def main(argv: list[str] | None = None) -> int:
+    process_settings()
     # before the parser is built: building it imports the libraries, and tqdm and the hub read their
     # progress-bar switches when imported
     argv = sys.argv[1:] if argv is None else list(argv)
     if (why := moved([a for a in argv if a not in ("-v", "--verbose")])) is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2
-    _quiet_libraries("-v" in argv or "--verbose" in argv)
+    quiet_libraries("-v" in argv or "--verbose" in argv)
     ap = build_parser()
     # overrides may follow options (`opd stage score --step 2 k=v`): collect the leftovers
     args, extra = ap.parse_known_args(argv)

@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import stages  # noqa: F401  (before torch: it sets MKL_CBWR, which MKL reads once; stages/run/reproducible.py)
+from stages.tools.process import process_settings
+
+process_settings()  # before torch, as `opd` does: MKL reads MKL_CBWR once (stages/cli.py)
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent

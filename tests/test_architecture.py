@@ -135,3 +135,15 @@ def test_no_module_of_stages_is_over_400_lines():
     long = {str(p.relative_to(root)): n for p in root.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long
+
+
+def test_importing_the_package_changes_nothing_in_the_process():
+    """Process-wide settings (MKL_CBWR, malloc's) are made by the CLI's entry point, not by `import stages`."""
+    import subprocess
+    import sys
+
+    code = ("import os, stages, stages.run.config; from stages.memory import hostmem; "
+            "print('MKL_CBWR' in os.environ, hostmem._applied is not None)")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MKL_CBWR"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == ["False", "False"]

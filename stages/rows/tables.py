@@ -113,17 +113,9 @@ def lists(t: pa.Table, col: str, dtype=np.float32) -> list[np.ndarray]:
     return [flat[offs[i]:offs[i + 1]] for i in range(len(arr))]
 
 
-def topk_lists(t: pa.Table, col: str, k: int, dtype) -> list[np.ndarray]:
-    """list<fixed_size_list<x, k>> -> one [len, k] array per row."""
-    arr = t.column(col).combine_chunks()
-    offs = arr.offsets.to_numpy()
-    flat = arr.flatten().flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False).reshape(-1, k)
-    return [flat[offs[i]:offs[i + 1]] for i in range(len(arr))]
-
-
 def flat(t: pa.Table, col: str, dtype) -> np.ndarray:
     """A list<...> (or list<fixed_size_list<...>>) column's values, all rows end to end, as one flat
-    numpy array: what concatenating `lists` / `topk_lists` gives, without the per-row split."""
+    numpy array: what concatenating `lists` gives, without the per-row split."""
     arr = t.column(col).combine_chunks()
     vals = arr.flatten()  # honours the list offsets (a sliced column starts where its first row does)
     while pa.types.is_list(vals.type) or pa.types.is_fixed_size_list(vals.type) or pa.types.is_large_list(vals.type):

@@ -15,7 +15,8 @@ from support import ROOT
 
 PROBE = r"""
 import json
-import stages
+from stages.tools.process import process_settings
+process_settings()
 from stages.memory import hostmem
 import torch
 

@@ -57,9 +57,11 @@ def child(req: dict) -> None:
 def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # first, as `opd` does: stages sets MKL_CBWR before anything imports torch (MKL reads it once, at
+    # first, as `opd` does: MKL_CBWR is set before anything imports torch (MKL reads it once, at
     # its first call, and every child forked below inherits that MKL state)
-    import stages  # noqa: F401
+    from stages.tools.process import process_settings
+
+    process_settings()
     import tracer
 
     tracer.install()  # before the libraries below bind safetensors/pyarrow readers
@@ -74,7 +76,7 @@ def main() -> None:
     import pkgutil
 
     import stages
-    from stages import cli
+    from stages.tools import process
 
     # every module of the package now, so all children run one snapshot of the code (the working
     # tree may change under a long session; a lazy import in a child would read the new file)
@@ -84,7 +86,7 @@ def main() -> None:
         except Exception:  # optional extras (e.g. CUDA-only modules): imported lazily if ever
             pass
 
-    cli._quiet_libraries()
+    process.quiet_libraries()
     out = sys.stdout
     print(json.dumps({"ready": os.getpid()}), file=out, flush=True)
     for line in sys.stdin:

@@ -39,12 +39,14 @@ def test_a_fresh_opd_process_runs_mkl_in_strict_mode(tmp_path):
     it computes with, not just what the environment says)."""
     c = _doctor_checks(tmp_path, MKL_CBWR=None)["cpu reproducibility"]
     assert c["status"] == "ok" and "AUTO,STRICT" in c["detail"], c
-    # so does `python -m stages...`, and any script importing stages before torch
-    code = "import stages, torch; from stages.run import reproducible as r; print(r.mode(), __import__('os').environ['MKL_CBWR'])"
+    # so does any script calling process_settings() before torch; importing the package alone changes nothing
+    code = ("from stages.tools.process import process_settings; process_settings(); import torch; "
+            "from stages.run import reproducible as r; print(r.mode(), __import__('os').environ['MKL_CBWR'])")
     out = _run([sys.executable, "-c", code], tmp_path, MKL_CBWR=None, PYTHONPATH=str(ROOT)).stdout.split()
     assert out == ["AUTO,STRICT", "AUTO,STRICT"]
     # importing torch (and running MKL) first is too late: MKL reads the variable once
-    late = "import torch; torch.ones(8, 8) @ torch.ones(8, 8); import stages; from stages.run import reproducible as r; print(r.mode())"
+    late = ("import torch; torch.ones(8, 8) @ torch.ones(8, 8); from stages.tools.process import process_settings; "
+            "process_settings(); from stages.run import reproducible as r; print(r.mode())")
     assert _run([sys.executable, "-c", late], tmp_path, MKL_CBWR=None, PYTHONPATH=str(ROOT)).stdout.split() == ["BRANCH_OFF"]
 
 

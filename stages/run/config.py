@@ -45,7 +45,7 @@ class DataCfg:
     # evaluation rows from their own verl Parquet (verl's data.val_files); None: path's 'test' rows
     eval_path: Optional[str] = None
     prompt_key: str = "prompt"
-    num_train: int = 64
+    num_train: int = 96
     num_eval: int = 16
     seed: int = 0
     max_prompt_tokens: int = 128
@@ -101,7 +101,7 @@ class LoraCfg:
 
 @dataclass
 class OptimCfg:
-    lr: float = 1e-3
+    lr: float = 2e-3
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
@@ -112,7 +112,7 @@ class OptimCfg:
 
 @dataclass
 class TrainCfg:
-    updates: int = 8
+    updates: int = 48
     chunk: int = 256  # positions per LM-head/loss chunk
     seed: int = 0
     # recompute each decoder layer's activations in the backward instead of keeping them: less

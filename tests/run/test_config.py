@@ -69,3 +69,19 @@ def test_slice_of_only_the_keys_read():
     cfg = config.compose([])
     s = config.slice_of(cfg, "rollout", "objective.topk")
     assert set(s) == {"rollout", "objective.topk"} and s["objective.topk"] == 32
+
+
+def test_the_dataclass_defaults_are_conf_s_defaults():
+    """conf/ holds the defaults users read and override (and what `dvc exp run -S` composes without our
+    code); the structured config's defaults are the same values, for code that builds a config piece
+    by piece. Any key whose two defaults differ is named here."""
+    import dataclasses
+
+    def leaves(d, p=""):
+        for k, v in d.items():
+            yield from leaves(v, f"{p}{k}.") if isinstance(v, dict) else [(f"{p}{k}", v)]
+
+    composed = dict(leaves(dataclasses.asdict(config.compose([], config.conf_dir()))))
+    schema = dict(leaves(dataclasses.asdict(config.Config())))
+    assert composed.keys() == schema.keys()
+    assert {k: (composed[k], schema[k]) for k in composed if composed[k] != schema[k]} == {}

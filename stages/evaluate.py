@@ -22,6 +22,7 @@ import pyarrow as pa
 import torch
 
 from .engine import lmhead, sampler
+from .engine.sampling import Sampling
 from .run import runview
 from .rows import tables
 from .rows.prompts import prompt_ids
@@ -31,7 +32,7 @@ from .session import Session, phase
 
 def greedy(sess: Session, model, engine, prompts: list[list[int]]) -> list[list[int]]:
     tok = sess.tokenizer()
-    kw = dict(eos=tok.eos_token_id, pad=tok.pad_token_id or tok.eos_token_id, seed=0, greedy=True)
+    kw = dict(eos=tok.eos_token_id, pad=tok.pad_token_id or tok.eos_token_id, seed=0, sampling=Sampling(greedy=True))
     out = engine.generate(prompts, sess.cfg.eval.max_new_tokens, **kw) if engine else \
         sampler.hf_generate(model, prompts, sess.cfg.eval.max_new_tokens, **kw)
     return [out.tokens[b, :int(out.lengths[b])].tolist() for b in range(len(prompts))]

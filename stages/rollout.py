@@ -29,8 +29,8 @@ def run(sess: Session, k: int) -> Path:
         rows_in = sess.table("prompts", sess.prepared["prompts"], "train.parquet")
         idx = prompts.batch_indices(rows_in.num_rows, cfg.rollout.batch_size, k, sess.prepared["prompts"])
         idx = [i for i in idx for _ in range(cfg.rollout.n)]  # n samples per prompt, grouped
-        # the batch's rows only, in batch order: whole columns as Python took 140 ms per step for
-        # 50,000 prompts, the batch's 64 rows 0.12 ms (benchmarks/results/2026-12-01-prompt-walk-cpu.md)
+        # the batch's rows only, in batch order: whole columns as Python cost a thousand times more
+        # per step for 50,000 prompts (docs/performance.md)
         batch_rows = rows_in.take(pa.array(idx, pa.int64()))
         col = lambda name, fill: batch_rows.column(name).to_pylist() if name in batch_rows.column_names \
             else [fill] * len(idx)  # noqa: E731

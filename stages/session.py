@@ -11,11 +11,13 @@ from pathlib import Path
 import torch
 
 from .weights import adapters, ahead, lora, models
+from .weights.state import state
 from .engine import decoder, graphs, sampler, warmup
+from .engine.sampling import Sampling
 from .memory import hostmem, phases, placement, plan
-from .run import identity, reproducible
+from .run import identity
 from .rows import tables
-from .run.config import Config, logit_temperature
+from .run.config import Config
 from .errors import UserError
 from .run.store import Store, link, seed_of, write_json
 
@@ -88,6 +90,8 @@ class Session:
     def teacher(self):
         if self._teacher is None and self.placement == "shared_backbone":
             self._teacher = placement.shared_teacher(self)  # the student's base, its LoRA disabled: one copy
+            # a view of the student's layers: compiled as they are (lmhead then runs them eager, in eval mode)
+            state(self._teacher).compiled = state(self._student).compiled
             self._graph_forwards(self._teacher, "teacher")  # (on its view: not the student's setting)
         if self._teacher is None:
             teacher = self._ahead.take("teacher")
@@ -114,10 +118,10 @@ class Session:
         return graphs.bucket(self.cfg.data.max_prompt_tokens + self.cfg.rollout.max_new_tokens)
 
     def _graph_forwards(self, model, role: str) -> None:
-        base = models.base_of(model)
-        base.__dict__["_opd_use_graphs"] = role in phases.graphed_roles(self.cfg, self.device.type)
-        base.__dict__["_opd_forward_length"] = self.forward_length()
-        base.__dict__["_opd_before_capture"] = self.before_capture  # (graphs.hidden: as the engine's)
+        st = state(model)
+        st.use_graphs = role in phases.graphed_roles(self.cfg, self.device.type)
+        st.forward_length = self.forward_length()
+        st.before_capture = self.before_capture  # (graphs.hidden: as the engine's)
 
     def before_capture(self) -> None:
         """Before a CUDA graph capture: no other thread's device work (warm-up, a publish's sync, reads ahead)."""
@@ -259,11 +263,9 @@ class Session:
     def generate(self, prompt_ids: list[list[int]], max_new: int, seed: int, greedy: bool = False,
                  min_new: int = 0):
         """Sample from the student's current policy with the fast engine (or the transformers fallback)."""
-        r, tok = self.cfg.rollout, self.tokenizer()
-        # rollout.temperature 0 is greedy selection (the sampler's argmax path), its log-probs untempered
+        tok = self.tokenizer()
         kw = dict(eos=tok.eos_token_id, pad=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-                  seed=seed, temperature=logit_temperature(r), top_p=r.top_p, greedy=greedy or r.temperature == 0,
-                  min_new=min_new)
+                  seed=seed, sampling=Sampling.of(self.cfg.rollout, greedy), min_new=min_new)
         eng = self.engine()
         if eng is not None:
             return eng.generate(prompt_ids, max_new, **kw)

@@ -17,8 +17,10 @@ from safetensors.torch import load_file
 import numerics
 from stages import rollout, score, train, update
 from stages.engine import batch, lmhead, sampler
+from stages.engine.sampling import Sampling
 from stages.memory import placement
 from stages.weights import models
+from stages.weights.state import state
 from stages.rows import tables
 from stages.errors import UserError
 from stages.session import Session
@@ -65,7 +67,7 @@ def test_shared_backbone_teacher_equals_a_separate_copy(work, monkeypatch):
     eng_shared, eng_copy = sampler.make(shared, False), sampler.make(copy, False)
     assert eng_shared.W["layers"][0]["o_proj"].data_ptr() == \
         student.get_base_model().model.layers[0].self_attn.o_proj.base_layer.weight.data_ptr()
-    kw = dict(eos=2, pad=2, seed=0, greedy=True)
+    kw = dict(eos=2, pad=2, seed=0, sampling=Sampling(greedy=True))
     ga, gb = eng_shared.generate([[1, 5, 6]], 6, **kw), eng_copy.generate([[1, 5, 6]], 6, **kw)
     assert torch.equal(ga.tokens, gb.tokens) and torch.equal(ga.logprobs, gb.logprobs)
     # ...and the transformers fallback runs the base too
@@ -133,7 +135,7 @@ def test_shared_teacher_refuses_different_materialised_models():
 
 def test_swap_moves_the_idle_role_and_drops_the_engine(monkeypatch):
     moves = []
-    monkeypatch.setattr(memory, "move", lambda model, dev: moves.append((model, dev.type)))
+    monkeypatch.setattr(placement, "move", lambda model, dev: moves.append((model, dev.type)))
     # an update still being written on the publish thread reads the student's tensors: joined first
     store = SimpleNamespace(flush=lambda: moves.append(("flush", None)))
     sess = object.__new__(Session)  # the swap bookkeeping alone: no config, no models
@@ -148,8 +150,8 @@ def test_swap_moves_the_idle_role_and_drops_the_engine(monkeypatch):
     sess._on_device("teacher")  # an accessor (evaluate) brings it back, evicting nothing
     assert moves[3:] == [("T", "cuda")] and sess._on_host == set()
     moves.clear()
-    for placement in ("resident", "shared_backbone"):
-        Session.activate(SimpleNamespace(placement=placement, device=torch.device("cuda")), "teacher")
+    for where in ("resident", "shared_backbone"):
+        Session.activate(SimpleNamespace(placement=where, device=torch.device("cuda")), "teacher")
     Session.activate(SimpleNamespace(placement="swap", device=torch.device("cpu")), "teacher")
     assert moves == []  # nothing moves elsewhere, nor on CPU (the device is host memory)
 
@@ -301,7 +303,7 @@ def test_gpu_merge_in_place_publishes_what_resident_does(work, monkeypatch):
     monkeypatch.setattr(sampler.Engine, "premerge", lambda self: premerged.append(premerge(self)) or premerged[-1])
 
     def generate_finds(self, *a, **kw):  # whether the weights were still merged ahead when the rollout began
-        found.append(self.in_place and "_opd_merged" in models.base_of(self.model).__dict__)
+        found.append(self.in_place and state(self.model).merged)
         return generate(self, *a, **kw)
 
     monkeypatch.setattr(sampler.Engine, "generate", generate_finds)
@@ -309,7 +311,7 @@ def test_gpu_merge_in_place_publishes_what_resident_does(work, monkeypatch):
     assert premerged == [False, True], premerged  # (the copy's engine merges nothing ahead; in place, step 2's)
     assert found == [False, False, False, True], found  # step 2's rollout sampled that merge (nothing undid it)
     torch.cuda.synchronize()  # the student's base is pristine after the last rollout's copy back
-    assert torch.equal(base.__dict__["_opd_flat"].cpu(), base.__dict__["_opd_pristine"])
+    assert torch.equal(state(base).flat.cpu(), state(base).pristine)
 
 
 @pytest.mark.gpu
@@ -337,11 +339,11 @@ def test_fused_projections_compute_what_the_model_computed():
     decoder.fuse_projections(fused)
     fused = with_trained_lora(fused)  # the order Session uses: fused at load, then the adapter
     base = models.base_of(fused)
-    flat = base.__dict__["_opd_flat"]
+    flat = state(base).flat
     a = base.model.layers[1].self_attn
     assert a.k_proj.base_layer.weight.data_ptr() == a.q_proj.base_layer.weight.data_ptr() + \
         a.q_proj.base_layer.weight.numel() * flat.element_size()  # q|k|v rows of one matrix
-    assert a.__dict__["_opd_qkv"].data_ptr() == a.q_proj.base_layer.weight.data_ptr()
+    assert state(base).fused[1][0].data_ptr() == a.q_proj.base_layer.weight.data_ptr()
     lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
     for n, p in base.model.layers.named_parameters():
         if n.endswith("base_layer.weight"):
@@ -361,22 +363,22 @@ def test_in_place_engine_samples_what_the_copy_samples_and_restores_the_base():
     decoder.fuse_projections(fused)
     fused = with_trained_lora(fused)
     base = models.base_of(fused)
-    before = base.__dict__["_opd_flat"].clone()
+    before = state(base).flat.clone()
     copy_eng, own = sampler.make(ref, False), sampler.make(fused, False)
     assert own.in_place and not copy_eng.in_place  # (from the model: fused or not)
     assert own.W["layers"][0]["gate_up"].data_ptr() == base.model.layers[0].mlp.gate_proj.base_layer.weight.data_ptr()
-    kw = dict(eos=-1, pad=2, seed=3, temperature=0.8)
+    kw = dict(eos=-1, pad=2, seed=3, sampling=Sampling(0.8))
     for _ in range(2):  # twice: the second merge starts from the restored base, not from merged weights
         a, b = copy_eng.generate(PROMPTS, 7, **kw), own.generate(PROMPTS, 7, **kw)
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
-        assert torch.equal(base.__dict__["_opd_flat"], before)  # the student's base is pristine again
+        assert torch.equal(state(base).flat, before)  # the student's base is pristine again
     perturb_lora(ref, 5)
     perturb_lora(fused, 5)  # a new policy version: picked up by the next generate
     copy_eng.refresh()
     own.refresh()
     a, b = copy_eng.generate(PROMPTS, 7, **kw), own.generate(PROMPTS, 7, **kw)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
-    assert torch.equal(base.__dict__["_opd_flat"], before)
+    assert torch.equal(state(base).flat, before)
 
 
 def test_a_merge_enqueued_ahead_is_undone_before_anything_else_reads_the_base():
@@ -391,22 +393,22 @@ def test_a_merge_enqueued_ahead_is_undone_before_anything_else_reads_the_base():
     decoder.fuse_projections(fused)
     fused = with_trained_lora(fused)
     base = models.base_of(fused)
-    flat, pristine = base.__dict__["_opd_flat"], base.__dict__["_opd_pristine"]
+    flat, pristine = state(base).flat, state(base).pristine
     own = sampler.make(fused, False)
-    assert own.premerge() is False and "_opd_merged" not in base.__dict__
+    assert own.premerge() is False and not state(base).merged
     for undo in (lambda: decoder.base_ready(fused), own.refresh):
         with torch.no_grad():
             own._merge(base)  # what premerge's replay computes
-        base.__dict__["_opd_merged"] = True
+        state(base).merged = True
         assert not torch.equal(flat, pristine)
         undo()
-        assert torch.equal(flat, pristine) and "_opd_merged" not in base.__dict__
+        assert torch.equal(flat, pristine) and not state(base).merged
 
 
 def test_merge_in_place_run_publishes_what_the_copy_does(work):
     sess = _with_and_without_merge_in_place(work)
     base = models.base_of(sess.student())  # CPU: restored in place after each generate
-    assert torch.equal(base.__dict__["_opd_flat"], base.__dict__["_opd_pristine"])
+    assert torch.equal(state(base).flat, state(base).pristine)
 
 
 def test_merge_in_place_refusals(work):

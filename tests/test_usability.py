@@ -79,6 +79,7 @@ def test_prompt_plus_response_beyond_the_context_is_one_line(work):
 def test_temperature_0_is_greedy(work):
     from stages import train
     from stages.engine import sampler
+    from stages.engine.sampling import Sampling
 
     sess = session(work, "rollout.temperature=0")
     train.policy0(sess)
@@ -87,7 +88,8 @@ def test_temperature_0_is_greedy(work):
     prompts = [tok("What is 12 plus 30?").input_ids, tok("Name a colour.").input_ids]
     a = sess.generate(prompts, 8, seed=1)
     b = sess.generate(prompts, 8, seed=2)  # another seed: the same tokens
-    ref = sampler.hf_generate(student, prompts, 8, eos=tok.eos_token_id, pad=tok.eos_token_id, seed=3, greedy=True)
+    ref = sampler.hf_generate(student, prompts, 8, eos=tok.eos_token_id, pad=tok.eos_token_id, seed=3,
+                              sampling=Sampling(greedy=True))
     for out in (a, b):
         assert torch.equal(out.lengths, ref.lengths) and int(ref.lengths.min()) > 0
         for i, n in enumerate(ref.lengths.tolist()):

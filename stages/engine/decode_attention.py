@@ -19,8 +19,8 @@ ATTENTION = True  # rope_attention for the decode step's attention; False: rope_
 ATTN_TILE = 16384
 # Past this many rows, rope_attention runs a program per row and kv head instead (_rope_attention_kv:
 # its query heads together, tensor-core products, the cache read once), ATTN_KV_BLOCK positions at a
-# time: at workload b's 64 rows the per-query-head kernel took 150 us per layer where cuDNN's SDPA
-# took 45 over the whole cache (results/2026-12-02-h200-387c904-decode-profile-b.md).
+# time: at workload b's 64 rows the per-query-head kernel was three times slower than cuDNN's SDPA
+# over the whole cache (docs/performance.md, "Evidence for the constants in the code").
 ATTN_KV_ROWS = 16
 ATTN_KV_BLOCK = 64
 ATTN_KV_STAGES = 3  # blocks of the cache in flight per program (Triton's software pipelining of the loop)
@@ -32,10 +32,10 @@ if triton is not None:
                         s_kvh, s_kvl, s_mb, H: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
                         BL: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
         # program (b, h): query head h of row b and the kv head g it reads (one program per query head:
-        # 0.909 ms per seed decode step against 1.019 with one per kv head looping over its query heads,
-        # results/2026-12-02-h200-7abd5a7-decode-kernels.md). The new key (normed,
-        # rotated) and value stand in for that row of the cache block read here (so no store has to
-        # be visible to a load), and the first program of each kv head writes them into
+        # a faster seed decode step than one per kv head looping over its query heads,
+        # docs/performance.md). The new key (normed, rotated) and value stand in for that row of the
+        # cache block read here (so no store has to be visible to a load), and the first program of
+        # each kv head writes them into
         # KV [2, B, NKV, L, D] at the slot SLOT holds; then attention over the positions up to the
         # slot (every later one is masked: the decode step's mask is causal, and they are not read),
         # BL at a time (K and V [BL, D] held whole: every load of a block in flight together) with
@@ -170,8 +170,8 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_no
     plus mask [B, 1, 1, L], additive (0 attended, -inf not; every row attends at least its new
     position, and no row any position after it: the decode step's causal mask, so the kernel reads
     the cache only up to the slot). Writes the new K and V into kv as `rope_cache` does and returns
-    the attention output [B, H * D]. SDPA (cuDNN) took ~6 us per layer at batch 4 on the H200
-    (2026-12-01 profile), and the rotary a kernel of its own. Up to ATTN_KV_ROWS rows a program per
+    the attention output [B, H * D], where SDPA (cuDNN) and the rotary took a kernel each, SDPA's
+    far longer per layer at batch 4 than its bytes need. Up to ATTN_KV_ROWS rows a program per
     query head (_rope_attention); past them a program per kv head with tensor-core products
     (_rope_attention_kv; docs/architecture.md, "Fused decode projections")."""
     B = qkv.shape[0]

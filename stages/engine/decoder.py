@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from . import decode_attention, draw, kernels
 from ..weights import models
+from ..weights.state import state
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -68,19 +69,20 @@ def fuse_projections(model) -> None:
     of the student on the device. The model computes what it computed: each weight keeps its shape
     and values as a contiguous view. Call before any forward is captured (the views are new addresses)."""
     base = models.base_of(model)
-    groups = []  # (module that keeps the fused view, its attribute, the projections in order)
+    groups = []  # (whether the group is a fused matrix the decode step reads, the projections in order)
     for layer in base.model.layers:
         a, m = layer.self_attn, layer.mlp
-        groups += [(a, "_opd_qkv", (a.q_proj, a.k_proj, a.v_proj)), (None, "", (a.o_proj,)),
-                   (m, "_opd_gate_up", (m.gate_proj, m.up_proj)), (None, "", (m.down_proj,))]
+        groups += [(True, (a.q_proj, a.k_proj, a.v_proj)), (False, (a.o_proj,)),
+                   (True, (m.gate_proj, m.up_proj)), (False, (m.down_proj,))]
     ALIGN = 128  # elements: each group starts 256-byte aligned, as a fresh allocation would for cuBLAS
     starts, n = [], 0
-    for *_, lins in groups:
+    for _, lins in groups:
         starts.append(n)
         n += -(-sum(_plain(x).weight.numel() for x in lins) // ALIGN) * ALIGN
-    w0 = _plain(groups[0][2][0]).weight
+    w0 = _plain(groups[0][1][0]).weight
     flat = torch.empty(n, dtype=w0.dtype, device=w0.device)
-    for (owner, attr, lins), off in zip(groups, starts):
+    views = []  # per layer q|k|v, then gate|up: [rows of all its projections, in_features]
+    for (keep, lins), off in zip(groups, starts):
         start = off
         for lin in lins:
             w = _plain(lin).weight
@@ -88,15 +90,16 @@ def fuse_projections(model) -> None:
             view.copy_(w)
             w.data = view  # the Parameter now lives in the flat buffer; its old storage is freed
             off += w.numel()
-        if owner is not None:  # [rows of all its projections, in_features]
-            owner.__dict__[attr] = flat[start:off].view(-1, w0.shape[1])
+        if keep:
+            views.append(flat[start:off].view(-1, w0.shape[1]))
     pristine = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=flat.device.type == "cuda")
-    base.__dict__["_opd_flat"], base.__dict__["_opd_pristine"] = flat, pristine.copy_(flat)
+    st = state(base)
+    st.flat, st.pristine, st.fused = flat, pristine.copy_(flat), list(zip(views[::2], views[1::2]))
 
 
 def is_fused(model) -> bool:
     """`fuse_projections` ran on this model (memory.merge_in_place): the engine samples from its weights."""
-    return "_opd_flat" in models.base_of(model).__dict__
+    return state(model).flat is not None
 
 
 def base_ready(model) -> None:
@@ -104,12 +107,12 @@ def base_ready(model) -> None:
     rollout (sampler.Engine.premerge) that something else reaches first is undone in the current
     stream's order; the copy back after an in-place merged rollout is waited for on the device (the
     host goes on)."""
-    base = models.base_of(model)
-    if base.__dict__.pop("_opd_merged", False):
+    st = state(model)
+    if st.merged:
+        st.merged = False
         restore(model)
-    ev = base.__dict__.get("_opd_restored")
-    if ev is not None:
-        torch.cuda.current_stream().wait_event(ev)
+    if st.restored is not None:
+        torch.cuda.current_stream().wait_event(st.restored)
 
 
 @torch.no_grad()
@@ -117,8 +120,8 @@ def restore(model, side: torch.cuda.Stream | None = None) -> None:
     """The student's base weights back from their pristine host copy (`fuse_projections`): in the
     current stream's order, or (CUDA) on stream `side` without blocking, the event `base_ready` waits
     for recorded after it."""
-    base = models.base_of(model)
-    flat, pristine = base.__dict__["_opd_flat"], base.__dict__["_opd_pristine"]
+    st = state(model)
+    flat, pristine = st.flat, st.pristine
     if side is None or flat.device.type != "cuda":
         flat.copy_(pristine)
         return
@@ -127,7 +130,7 @@ def restore(model, side: torch.cuda.Stream | None = None) -> None:
         flat.copy_(pristine, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
-    base.__dict__["_opd_restored"] = ev
+    st.restored = ev
 
 
 @torch.no_grad()
@@ -140,12 +143,13 @@ def sampling_weights(model, in_place: bool = False) -> dict:
     inner, cfg = base.model, base.config
     dtype = inner.embed_tokens.weight.dtype
     layers = []
-    for layer in inner.layers:
+    fused = state(model).fused
+    for i, layer in enumerate(inner.layers):
         a, m = layer.self_attn, layer.mlp
         biases = [bias_of(getattr(a, p)) for p in PROJ[:3]]
         if in_place:
-            own = {"qkv": a.__dict__["_opd_qkv"], "o_proj": _plain(a.o_proj).weight,
-                   "gate_up": m.__dict__["_opd_gate_up"], "down_proj": _plain(m.down_proj).weight}
+            own = {"qkv": fused[i][0], "o_proj": _plain(a.o_proj).weight,
+                   "gate_up": fused[i][1], "down_proj": _plain(m.down_proj).weight}
         else:
             own = {"qkv": torch.cat([merged_weight(getattr(a, p), dtype) for p in PROJ[:3]]),
                    "o_proj": merged_weight(a.o_proj, dtype),
@@ -312,8 +316,8 @@ def additive_mask(valid, dtype):
 
 
 def _cumsum(p, chunk: int = 1024):
-    """p.cumsum(-1) for p [B, V] >= 0. CUDA scans a few long rows one thread block per row (65 us
-    for 4 x 49,152 on the H200, most of a decode step's draw): there, `chunked_cumsum`. CPU: one scan."""
+    """p.cumsum(-1) for p [B, V] >= 0. CUDA scans a few long rows one thread block per row (most of a
+    decode step's draw at the seed's 4 rows): there, `chunked_cumsum`. CPU: one scan."""
     if not p.is_cuda or p.shape[-1] <= chunk:
         return p.cumsum(-1)
     return chunked_cumsum(p, chunk)

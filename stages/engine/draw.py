@@ -1,9 +1,8 @@
 """The decode step's draw as two Triton kernels (docs/architecture.md, "Fused decode projections"):
 token ~ softmax(logits / temperature) by the inverse CDF at u, and its log-probability, for the
 plain sampling setting (no top-p, not greedy) on CUDA. `decoder.pick` in torch takes ~10 kernels
-over the [B, V] logits (log-softmax, exp, two scans, the search, gathers): 0.28 ms per step at
-workload b's 64 x 151,936 on the H200, 10% of its decode step (results/2026-12-02-h200-387c904-
-decode-profile-b.md).
+over the [B, V] logits (log-softmax, exp, two scans, the search, gathers): 10% of workload b's
+decode step at its 64 x 151,936 logits (docs/performance.md).
 
 1. `_chunk_stats`, a program per row and chunk of C logits: the chunk's max m_c and
    s_c = sum exp(x - m_c) (x = logit / temperature, EOS at -inf where blocked).

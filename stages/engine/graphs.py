@@ -2,10 +2,8 @@
 (docs/architecture.md, "CUDA graphs of the teacher-forced forwards").
 
 Eager, these forwards are bound by the host: each kernel is a few microseconds of GPU work behind
-Python, dispatcher and autograd. torch.profiler over one seed-workload step on the H200 counted
-6,757 kernel launches from the host with these forwards eager
-(benchmarks/results/2026-12-01-h200-compile-profile.txt) and 852 plus 67 graph launches with them
-replayed (-5382a9e-profile.txt).
+Python, dispatcher and autograd: replayed, a seed-workload step launches about an eighth of the
+kernels from the host that it launches with them eager (docs/performance.md).
 
 On CUDA every teacher-forced forward (score, update, evaluate, SFT) of a Llama-family model on SDPA
 attention (`layout_ok`) runs right-padded to the run's length (a multiple of BUCKET positions) with
@@ -33,6 +31,8 @@ import gc
 
 import torch
 import torch.nn.functional as F
+
+from ..weights.state import peek, state
 
 # CUDA: teacher-forced forwards run right-padded to a multiple of this many positions (lengths within
 # one bucket share a graph; the memory plan pads the same way)
@@ -82,12 +82,13 @@ class _Backbone(torch.nn.Module):
 def params_at(inner) -> tuple:
     """Where a model's parameters live: captured graphs read these addresses. Asked before every
     replay, so the module list is walked once per model (`Module.parameters()` walks the tree each
-    time: 2.2 ms for a LoRA'd 32-layer model on a 2-core CPU, 0.27 ms from the list:
-    benchmarks/params_at.py); a Parameter replaced or moved still shows here. A model's modules are fixed once it runs graphs (adapters
-    are added before its first forward); `drop` forgets the list with the graphs."""
-    mods = inner.__dict__.get("_opd_modules")
-    if mods is None:
-        mods = inner.__dict__["_opd_modules"] = list(inner.modules())
+    time, several times slower for a LoRA'd model: docs/performance.md); a Parameter replaced or
+    moved still shows here. A model's modules are fixed once it runs graphs (adapters are added
+    before its first forward); `drop` forgets the list with the graphs."""
+    st = state(inner)
+    if st.modules is None:
+        st.modules = list(inner.modules())
+    mods = st.modules
     return tuple(p.data_ptr() for m in mods for p in m._parameters.values() if p is not None)
 
 
@@ -123,7 +124,7 @@ def _capture_training(inner, ids, mask):
         quiet(False)
     # one warm-up pass, not torch's default three: it runs what is initialised lazily (cuBLAS
     # workspaces, autograd's accumulators) before the capture, and each further pass is an eager
-    # forward and backward (~0.2 s of the first update's main thread for the 360M student)
+    # forward and backward on the first update's main thread (docs/performance.md)
     return torch.cuda.make_graphed_callables(_Backbone(inner), (ids.clone(), mask.clone()), num_warmup_iters=1)
 
 
@@ -136,7 +137,8 @@ def hidden(model, inner, ids: torch.Tensor, attn: torch.Tensor, use_graphs: bool
         use_graphs = False  # an eval-mode forward with grad (nothing of ours): eager
     if not use_graphs:
         return inner(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-    graphs = model.__dict__.setdefault("_opd_graphs", {})
+    st = state(model)
+    graphs = st.graphs
     where = params_at(inner)
     if graphs.get("params") != where:  # moved (or first use): captured addresses are stale
         if graphs:
@@ -148,9 +150,8 @@ def hidden(model, inner, ids: torch.Tensor, attn: torch.Tensor, use_graphs: bool
         shapes = [k for k in graphs if k != "params"]
         if len(shapes) >= KEEP:
             _release({shapes[0]: graphs.pop(shapes[0])})  # least recently used (dict order: re-inserted on use)
-        before = getattr(model, "_opd_before_capture", None)
-        if before:  # another thread's device work (a publish's sync, the warm-up) would invalidate the capture
-            before()
+        if st.before_capture:  # another thread's device work (a publish's sync, the warm-up) would invalidate it
+            st.before_capture()
         g = (_capture_training if training else _capture_inference)(inner, ids, mask)
     graphs[key] = g
     return g(ids, mask)
@@ -167,7 +168,8 @@ def _release(held: dict) -> None:
 def drop(model) -> None:
     """Release a model's graphs and their memory pools (memory.move, before a role leaves the device)."""
     for m in model.modules():  # (the inner model whose module list params_at keeps)
-        m.__dict__.pop("_opd_modules", None)
-    held = model.__dict__.pop("_opd_graphs", None)
-    if held:
-        _release(held)
+        if (st := peek(m)) is not None:
+            st.modules = None
+    st = peek(model)
+    if st is not None and st.graphs:
+        _release(st.graphs)

@@ -2,10 +2,9 @@
 "Rollout engine: fused decode projections").
 
 A decode step multiplies B <= 16 rows by each weight matrix: the work is reading the weights once,
-and at these sizes cuBLAS launches tiles that read them far below the memory's rate (~6 us for a
-3 MB matrix on the H200, where 4.8 TB/s would take 0.6). `project` issues every load of a CTA's
-whole slab of weight rows at once (all of the matrix is in flight together) and folds into the
-same kernel what otherwise costs kernels of its own around the matmul:
+and at these sizes cuBLAS launches tiles that read them far below the memory's rate. `project`
+issues every load of a CTA's whole slab of weight rows at once (all of the matrix is in flight
+together) and folds into the same kernel what otherwise costs kernels of its own around the matmul:
 
 - the RMSNorm before it (`norm_w`): the row statistics are computed from the rows it loads anyway;
 - the SiLU gate after gate|up (`glu`): the CTA reads a gate row block and the matching up rows;
@@ -34,10 +33,9 @@ except ImportError:  # CPU builds of torch ship no Triton
 
 MAX_ROWS = 16  # rows (batch x new tokens) up to which the decode step takes these kernels
 # One warp per program holding 2,048 weight elements (a row block of SLAB // padded K rows, at least
-# one row) measured fastest on the H200 at SmolLM2-360M's decode step: 1.268 ms against 1.324 with
-# four warps and 4,096, 1.368 with four and 8,192, and cuBLAS's 1.352 (benchmarks/results/
-# 2026-12-02-h200-0a4faaf-decode-kernels-sweep.md): one warp reduces its rows with shuffles alone,
-# no shared memory or barrier, and many small programs keep more loads in flight.
+# one row) measured fastest at SmolLM2-360M's decode step, ahead of four warps with 4,096 or 8,192
+# and of cuBLAS (docs/performance.md): one warp reduces its rows with shuffles alone, no shared
+# memory or barrier, and many small programs keep more loads in flight.
 SLAB = 2048
 # Triton's FP fusion (mul + add as one FMA) changes bytes, and its default is to flip in Triton 3.10
 # (TRITON_DEFAULT_FP_FUSION changes it today): pinned, as every measurement so far ran it (on).
@@ -53,8 +51,8 @@ PDL = True
 def cache_key_soon():
     """Start computing Triton's cache key on a daemon thread. Triton keys its kernel cache on a hash of
     its own sources and its ~500 MB libtriton.so, computed (once per process, cached) at the first
-    kernel launch, on the launching thread: 0.4 s of the H200's first rollout
-    (benchmarks/results/2026-12-02-h200-6c400fd-first-update.md). Reading and sha256 release the
+    kernel launch, on the launching thread, where it held up the first rollout (docs/performance.md).
+    Reading and sha256 release the
     interpreter, so it runs beside the models' loads; the launch then finds it cached (or, still
     running, computes it as before). Returns the thread (None without Triton)."""
     if triton is None:
@@ -122,8 +120,7 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         # each row loaded, reduced and stored in turn: this measured faster than loading every row up
-        # front as one tile and taking rows out of it by masked sums across lanes (1.207 ms per decode
-        # step against 1.240 on the H200, results/2026-12-02-h200-438257d-decode-kernels.log)
+        # front as one tile and taking rows out of it by masked sums across lanes (docs/performance.md)
         for m in tl.static_range(BLOCK_M):
             if m < M:  # (BLOCK_M: M rounded up to a power of two)
                 xr = tl.load(X + m * sx + rk, mask=km, other=0.0)  # [KP], the compute dtype

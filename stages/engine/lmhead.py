@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from . import decoder, graphs
 from ..weights import models
+from ..weights.state import state
 
 
 @dataclass
@@ -86,14 +87,13 @@ def hidden(model, p: Packed) -> torch.Tensor:
     would compile again). A compilation that fails (no working Triton) falls back to the eager
     layers for the rest of the process, with one warning."""
     decoder.base_ready(model)  # memory.merge_in_place: the rollout's merge undone before the weights are read
-    base = models.base_of(model)
-    compiled = getattr(base, "_opd_compiled", None)
+    base, st = models.base_of(model), state(model)
+    compiled = st.compiled
     eager = compiled == "training" and not getattr(model, "training", False)
 
     def forward():
         if p.ids.device.type == "cuda" and graphs.layout_ok(base):
-            return graphs.hidden(base, base.model, p.ids, p.attn, getattr(base, "_opd_use_graphs", False),
-                                 getattr(base, "_opd_forward_length", 0))
+            return graphs.hidden(base, base.model, p.ids, p.attn, st.use_graphs, st.forward_length)
         return base.model(input_ids=p.ids, attention_mask=p.attn, use_cache=False).last_hidden_state
 
     with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():

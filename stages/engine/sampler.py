@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from . import decoder, graphs, kernels
+from .sampling import Decode, Sampling
 from ..weights import models
+from ..weights.state import state
 from .lmhead import to_host as _to_host
 
 SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
@@ -85,10 +87,9 @@ class Engine:
 
     @torch.no_grad()
     def _remerge(self, model=None) -> None:
-        """Re-merge the LoRA into the sampling weights in place, one matrix at a
-        time (no second copy of the weights; captured graphs keep reading the same buffers). On CUDA
-        the merge (a few small kernels per adapted projection, 7 x 32 of them in a LoRA'd SmolLM2-360M;
-        22 ms of host time eager, 5 ms replayed on the H200) is
+        """Re-merge the LoRA into the sampling weights in place, one matrix at a time (no second copy
+        of the weights; captured graphs keep reading the same buffers). On CUDA the merge (a few small
+        kernels per adapted projection: hundreds of launches, bound by the host when eager) is
         captured once and replayed, and a new engine's weights come from that replay too (cuBLAS may
         choose another algorithm under capture than eager): a resumed process samples from the bytes
         an uninterrupted one refreshed to. (An NF4 base is merged eager: bitsandbytes'
@@ -132,13 +133,13 @@ class Engine:
         or one at new addresses, captures and is left to generate). Anything else that reads the
         base first undoes it (decoder.base_ready), as does a new adapter (`refresh`). True when it
         was enqueued."""
-        base = models.base_of(self.model)
-        if not (self.in_place and self.use_graphs) or self._refresh is None or base.__dict__.get("_opd_merged") \
+        base, st = models.base_of(self.model), state(self.model)
+        if not (self.in_place and self.use_graphs) or self._refresh is None or st.merged \
                 or self._refresh[0] != graphs.params_at(base):
             return False
         decoder.base_ready(self.model)  # (the last rollout's copy back, on the device)
         self._refresh[1].replay()
-        base.__dict__["_opd_merged"] = True
+        st.merged = True
         return True
 
     def _restore(self, blocking: bool = False) -> None:
@@ -155,7 +156,8 @@ class Engine:
     def generate(self, prompts: list[list[int]], max_new: int, **kw) -> Rollout:
         if not self.in_place:
             return self._generate(prompts, max_new, **kw)
-        premerged = models.base_of(self.model).__dict__.pop("_opd_merged", False)  # (`premerge`)
+        st = state(self.model)
+        premerged, st.merged = st.merged, False  # (`premerge`: this generate samples from that merge)
         try:  # (a merge that fails partway is undone too)
             if not premerged:
                 decoder.base_ready(self.model)  # the previous rollout's copy back has landed
@@ -165,8 +167,7 @@ class Engine:
             self._restore()
 
     def _generate(self, prompts: list[list[int]], max_new: int, *, eos: int, pad: int, seed: int,
-                  temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                  min_new: int = 0) -> Rollout:
+                  sampling: Sampling = Sampling(), min_new: int = 0) -> Rollout:
         B = len(prompts)
         P = max(len(p) for p in prompts)
         if self.use_graphs:
@@ -179,7 +180,7 @@ class Engine:
         g = torch.Generator(device="cpu").manual_seed(seed)
         inp = {"ids": ids, "pad_len": torch.tensor([P - len(p) for p in prompts]),
                "u": torch.rand(max_new, B, generator=g)}  # u [N, B]: one uniform per draw
-        how = (max_new, temperature, top_p, greedy, min_new, eos, pad)
+        how = Decode(max_new, sampling, min_new, eos, pad)
         if self.use_graphs and max_new > 1:  # (one new token: prefill only, nothing to replay)
             st, run = self._graphed(inp, how)
         else:
@@ -196,19 +197,19 @@ class Engine:
         lengths = torch.where(done, first + 1, torch.full_like(first, max_new))
         return Rollout(*_to_host(out, lps.float(), lengths, done))  # one sync for all four
 
-    def _prefill(self, inp: dict, how: tuple) -> dict:
+    def _prefill(self, inp: dict, how: Decode) -> dict:
         return prefill(self.W, inp, how)
 
-    def _step(self, st: dict, how: tuple) -> None:
+    def _step(self, st: dict, how: Decode) -> None:
         step(self.W, st, how, decode_layer(self.W, st["tok"].shape[0], self.compile))
 
-    def _graphed(self, inp: dict, how: tuple):
+    def _graphed(self, inp: dict, how: Decode):
         """This call's inputs into the captured graphs' static buffers, the prefill replayed: (the
         static state, the decode step's replay). Captured once per (batch, prompt bucket, sampling
         settings): the prefill and the decode step, sharing one memory pool (the prefill's scratch
         is dead by the time a step runs; the state both use stays allocated). The KV cache lives
         in that pool: no per-call cache, no copy of one."""
-        key = (*inp["ids"].shape, *how)
+        key = (*inp["ids"].shape, how)
         g = self.graphs.get(key)
         if g is None:
             g = self.graphs[key] = self._capture(inp, how)
@@ -217,13 +218,13 @@ class Engine:
         g["prefill"].replay()
         return g["st"], g["step"].replay
 
-    def _capture(self, inp: dict, how: tuple) -> dict:
+    def _capture(self, inp: dict, how: Decode) -> dict:
         self.before_capture()
         static = {k: v.to(self.device) for k, v in inp.items()}  # the graphs' input buffers
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):  # warm-up off the capture: compilation, kernel choices, cuBLAS workspaces
-            warm = min(2, how[0] - 1)  # (steps past max_new would index outside the output buffers)
+            warm = min(2, how.max_new - 1)  # (steps past max_new would index outside the output buffers)
             try:
                 st = self._prefill(static, how)
                 for _ in range(warm):
@@ -259,11 +260,11 @@ def decode_layer(W: dict, rows: int, compile: bool):
     return decoder.compiled_layer()
 
 
-def prefill(W: dict, inp: dict, how: tuple) -> dict:
+def prefill(W: dict, inp: dict, how: Decode) -> dict:
     """The prompts' forward into a fresh static KV cache and the first draw: the state the
     decode step reads and updates in place. inp: ids [B, P] (left-padded), pad_len [B], u [N, B]."""
     dev = W["embed"].device
-    max_new, temperature, top_p, greedy, min_new, eos, pad = how
+    max_new, min_new, eos, s = how.max_new, how.min_new, how.eos, how.sampling
     ids, pad_len, u = inp["ids"], inp["pad_len"], inp["u"]
     B, P = ids.shape
     L = P + max_new
@@ -277,8 +278,8 @@ def prefill(W: dict, inp: dict, how: tuple) -> dict:
     h = decoder.forward(W, ids, pos, kv, qpos, valid)[:, -1]  # [B, H]
     logits = F.linear(h, W["head"])
     block = torch.full((B,), min_new > 0, device=dev) if min_new > 0 else None
-    tok, lp = decoder.pick(logits, u[0], temperature, top_p, greedy, block, eos)
-    out = torch.full((B, max_new), pad, dtype=torch.long, device=dev)
+    tok, lp = decoder.pick(logits, u[0], s.temperature, s.top_p, s.greedy, block, eos)
+    out = torch.full((B, max_new), how.pad, dtype=torch.long, device=dev)
     lps = torch.zeros(B, max_new, device=dev)
     out[:, 0], lps[:, 0] = tok, lp
     return {"tok": tok.clone(), "slot": torch.full((1,), P, device=dev), "step": torch.full((1,), 1, device=dev),
@@ -286,18 +287,17 @@ def prefill(W: dict, inp: dict, how: tuple) -> dict:
             "keys": keys}
 
 
-def step(W: dict, st: dict, how: tuple, layer) -> None:
+def step(W: dict, st: dict, how: Decode, layer) -> None:
     """One decode step: the next token of every sequence, written into the state in place.
     layer: the decoder layer to run (`decode_layer`'s choice)."""
-    max_new, temperature, top_p, greedy, min_new, eos, pad = how
+    min_new, eos, pad, s = how.min_new, how.eos, how.pad, how.sampling
     B = st["tok"].shape[0]
     slot, k = st["slot"], st["step"]
     valid = ((st["keys"][None, :] >= st["pad_len"][:, None]) & (st["keys"][None, :] <= slot))[:, None]
     h = decoder.forward(W, st["tok"][:, None], (slot - st["pad_len"])[:, None], st["kv"], slot, valid, layer)
     logits = F.linear(h[:, 0], W["head"])
     blk = (k < min_new).expand(B) if min_new > 0 else None
-    t, l = decoder.pick(logits, st["u"].index_select(0, k)[0], temperature, top_p,
-                        greedy, blk, eos)
+    t, l = decoder.pick(logits, st["u"].index_select(0, k)[0], s.temperature, s.top_p, s.greedy, blk, eos)
     t = torch.where(st["done"], torch.full_like(t, pad), t)
     l = torch.where(st["done"], torch.zeros_like(l), l)
     st["out"].index_copy_(1, k, t[:, None])
@@ -330,7 +330,7 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(models.base_of(model).forward).parameters else "past_key_values"
 
 
-def hf_generate(model, prompts, max_new, *, eos, pad, seed, temperature=1.0, top_p=1.0, greedy=False,
+def hf_generate(model, prompts, max_new, *, eos, pad, seed, sampling: Sampling = Sampling(),
                 min_new=0) -> Rollout:
     """Fallback: transformers forward with a dynamic cache (quantized bases, other architectures)."""
     dev = next(model.parameters()).device
@@ -354,7 +354,8 @@ def hf_generate(model, prompts, max_new, *, eos, pad, seed, temperature=1.0, top
             o = model(input_ids=cur, attention_mask=am, position_ids=pos, use_cache=True, **{key: past})
             past = getattr(o, key)
             blk = torch.full((B,), i < min_new, device=dev) if min_new > 0 else None
-            t, l = decoder.pick(o.logits[:, -1], u[i], temperature, top_p, greedy, blk, eos)
+            t, l = decoder.pick(o.logits[:, -1], u[i], sampling.temperature, sampling.top_p, sampling.greedy,
+                                blk, eos)
             t = torch.where(done, torch.full_like(t, pad), t)
             l = torch.where(done, torch.zeros_like(l), l)
             out[:, i], lps[:, i] = t, l.float()

@@ -2,11 +2,10 @@
 
 A fresh process pays for the first call of each kind of GPU work far more than for later ones:
 CUDA loads kernel modules on their first launch, cuBLAS and cuDNN pick kernels per shape (cuDNN's
-attention builds a plan), Triton loads its compiled kernels, autograd starts its device thread.
-On the H200 ~2.7 s of the first update's main thread sat inside such first calls: the first SDPA
-calls, autograd's first backward, the draw's first launch
-(benchmarks/results/2026-12-02-h200-4df9223-first-update.md). Meanwhile the GPU is idle for the
-seconds the main thread spends importing and reading the models. `start` runs that kind of work
+attention builds a plan), Triton loads its compiled kernels, autograd starts its device thread:
+seconds of the first update's main thread sat inside such first calls, the first SDPA calls,
+autograd's first backward, the draw's first launch (docs/performance.md). Meanwhile the GPU is idle
+for the seconds the main thread spends importing and reading the models. `start` runs that kind of work
 once, on a daemon thread of its own with a stream of its own, on throwaway tensors of the run's
 shapes: one decoder layer of each model with constant weights, through the rollout engine's
 prefill and decode step (stages/engine/sampler.py's own functions), the teacher's scoring forward
@@ -30,12 +29,14 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from . import decoder, draw, graphs, kernels, sampler
+from .sampling import Decode, Sampling
 
 _RUNNING: list[threading.Thread] = []  # at most one: the process's warm-up, until `wait` joins it
 _RESULT: dict = {}  # what it recorded (`report`)
@@ -52,18 +53,20 @@ def dims(config_json: Path) -> dict:
 
 
 def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, length: int, rank: int,
-          sampling: tuple, min_new: int, dtype: torch.dtype, device: torch.device, compiled: bool,
+          sampling: Sampling, min_new: int, dtype: torch.dtype, device: torch.device, compiled: bool,
           precompile: bool) -> None:
     """Start the warm-up (CUDA only). student/teacher: the models' config.json, read by `dims` on the
     thread (prepare checked its hash; a read that fails anyway fails the warm-up, not the run); rows: the
     rollout's batch; prompt: its padded prompt length; new: new tokens; length: the teacher-forced
-    forwards' padded length; rank: the LoRA's r; sampling: (temperature, top_p, greedy); min_new: the
+    forwards' padded length; rank: the LoRA's r; sampling: the rollout's (Sampling.of); min_new: the
     rollout's min_new_tokens (the draw's EOS block is compiled in or not); compiled: the engine's
     decode kernels; precompile: compile the engine's Triton kernels in child processes first (`parts`,
     `_child`)."""
     if device.type != "cuda" or _RUNNING:
         return
-    spec = {"config": str(student), "rows": rows, "prompt": prompt, "new": new, "sampling": list(sampling),
+    if isinstance(sampling, tuple):  # (temperature, top_p, greedy): train.warm_up's, until it passes
+        sampling = Sampling(*sampling)  # Sampling.of(rollout)
+    spec = {"config": str(student), "rows": rows, "prompt": prompt, "new": new, "sampling": asdict(sampling),
             "min_new": min_new, "dtype": str(dtype).removeprefix("torch."), "compiled": compiled,
             "device": device.index if device.index is not None else torch.cuda.current_device()}
     which = parts(compiled, sampling, cpus()) if precompile and kernels.triton is not None else ()
@@ -121,17 +124,16 @@ CHILD_TIMEOUT_S = 300  # children still compiling this long after the thread sta
 # run compiles what is left in line)
 
 
-def parts(compiled: bool, sampling: tuple, cores: int) -> tuple[str, ...]:
+def parts(compiled: bool, sampling: Sampling, cores: int) -> tuple[str, ...]:
     """What the precompiling children compile, one child per part (`_child`): "draw", the draw's two
-    kernels (plain sampling only, draw.serves); "step", the
-    decode step's kernels with the draw off (runtime.compile; the eager step launches no Triton
-    kernel). Disjoint, so they compile side by side: one child for both was found done 9.7-10.3 s
-    after it started, on cold caches on the H200, ~5 s of it compiling, and the engine's capture
-    waited for it. A child needs a core of its own beside the main thread's, or it slows the imports
-    it was meant to overlap: with fewer cores than parts + 1 the parts share one child ("all"),
-    with one core no child starts (the thread compiles them, as with runtime.precompile=false)."""
-    _, top_p, greedy = sampling  # (temperature, top_p, greedy)
-    want = tuple(p for p, needed in (("draw", draw.serves(greedy, top_p)), ("step", compiled)) if needed)
+    kernels (plain sampling only, draw.serves); "step", the decode step's kernels with the draw off
+    (runtime.compile; the eager step launches no Triton kernel). Disjoint, so they compile side by
+    side: on cold caches one child for both was still compiling when the engine's capture began,
+    which then waited for it. A child needs a core of its own beside the main thread's, or it slows
+    the imports it was meant to overlap: with fewer cores than parts + 1 the parts share one child
+    ("all"), with one core no child starts (the thread compiles them, as with runtime.precompile=false)."""
+    want = tuple(p for p, needed in (("draw", draw.serves(sampling.greedy, sampling.top_p)), ("step", compiled))
+                 if needed)
     if cores >= len(want) + 1:
         return want
     return ("all",) if want and cores >= 2 else ()
@@ -198,7 +200,7 @@ def _child(spec: dict) -> None:
     if spec["part"] == "step":
         draw.ON = False
     layer = decoder.layer if spec["part"] == "draw" else sampler.decode_layer(W, spec["rows"], spec["compiled"])
-    _sample(W, spec["rows"], spec["prompt"], spec["new"], tuple(spec["sampling"]), spec["min_new"], layer)
+    _sample(W, spec["rows"], spec["prompt"], spec["new"], Sampling(**spec["sampling"]), spec["min_new"], layer)
     torch.cuda.synchronize(device)
 
 
@@ -221,15 +223,14 @@ def _weights(d: dict, dtype, device) -> dict:
 
 
 @torch.no_grad()
-def _sample(W, B, P, N, sampling, min_new, layer) -> None:
+def _sample(W, B, P, N, sampling: Sampling, min_new, layer) -> None:
     """The engine's prefill and one decode step (sampler.prefill / sampler.step) over sampling weights
     W (`_weights`) through `layer`, the EOS blocked as min_new blocks it (the draw's kernels differ
     with and without)."""
     device = W["embed"].device
-    temperature, top_p, greedy = sampling
     inp = {"ids": torch.zeros(B, P, dtype=torch.long, device=device),
            "pad_len": torch.arange(B, device=device) % P, "u": _full((max(N, 2), B), 0.5, torch.float32, device)}
-    how = (max(N, 2), temperature, top_p, greedy, min(min_new, N), 0, 0)
+    how = Decode(max(N, 2), sampling, min(min_new, N), 0, 0)
     st = sampler.prefill(W, inp, how)
     sampler.step(W, st, how, layer)
 

@@ -5,9 +5,8 @@ torch's CPU tensors come from malloc. glibc serves a large block (above its mmap
 adapts up to 32 MiB) with a fresh mmap and returns it to the kernel on free, and trims the heap top
 once more than its trim threshold is free. Either way the next vocab-sized tensor of the next chunk
 or step (logits, log-probs, probabilities, their gradients: [128, 49,152] fp32 is 24 MiB) lands on
-pages the kernel must fault in and zero again. On the cpu_peer workload (2-core AMD EPYC, quiet)
-that was about a quarter of our whole CPU step: 0.146 -> 0.112 s per update, medians of four
-alternating runs each (`benchmarks/results/2026-12-01-hostmem-ab.md`).
+pages the kernel must fault in and zero again: about a quarter of the whole CPU step on the
+cpu_peer workload (docs/performance.md).
 
 So the process serves every block from its heap and keeps what it frees: the resident set stays at
 its peak instead of shrinking between steps (the peak itself does not grow). A phase's peak RSS

@@ -3,12 +3,13 @@ that init, sft and update publish, and the teacher with an SFT adapter merged in
 
 Publishing an update is split in two (docs/architecture.md, "The update and its publishing"): the
 caller takes a snapshot right after the optimizer step (`host_copy`: one device -> host copy per
-dtype, queued, never waited for on the caller's thread), and the publish thread writes it (`write_adapter`, `save_tensors`). The files are safetensors byte for
-byte as `safetensors.torch.save` writes them (tests/weights/test_adapters.py compares), but written
-from the snapshot's own memory: safetensors' serialiser copies every byte into one Python bytes
-object while holding the interpreter lock (another thread stalled 30 ms while it saved 72 MB on a
-2-core EPYC; the 360M student's adapter and moments are ~100 MB), where writing the buffers as
-they are releases it.
+dtype, queued, never waited for on the caller's thread), and the publish thread writes it
+(`write_adapter`, `save_tensors`). The files are safetensors byte for byte as
+`safetensors.torch.save` writes them (tests/weights/test_adapters.py compares), but written from the
+snapshot's own memory: safetensors' serialiser copies every byte into one Python bytes object while
+holding the interpreter lock, stalling every other thread for the whole copy (the 360M student's
+adapter and moments are ~100 MB), where writing the buffers as they are releases it
+(docs/performance.md).
 `store.write_bytes` hashes the bytes as it writes them: sealing does not read them back."""
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def host_copy(tensors: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.
     the kernels that made the values (an optimizer step may change the originals right after: the
     snapshot is private); it goes to pinned host memory on a side stream, and only the caller of
     the returned function waits for that copy. A blocking `.cpu()` would wait for everything queued
-    before it and crawl through pageable memory (~26 ms per copy of adapter or moments on an H200).
+    before it and crawl through pageable memory.
     Host tensors (on CPU runs, and AdamW's step count on CUDA ones) are copied right away.
     Both ways are a few torch calls per dtype, not per tensor (`_raw_bytes` says why); what is left
     per tensor is freeing its view once the caller drops it. The returned function holds the
@@ -138,7 +139,7 @@ _STATE_KEYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def adapter_state(student) -> dict[str, torch.Tensor]:
     """The adapter's tensors under the names PEFT saves them (what PeftModel.from_pretrained reads).
-    PEFT's get_peft_model_state_dict walks every module (~20 ms for a LoRA'd 360M model); the names
+    PEFT's get_peft_model_state_dict walks every module (thousands in a LoRA'd 360M model); the names
     do not change while the model lives, so the walk is done once per model and later calls read the
     same parameters under the same names. They are the live parameters, not detached views (a torch
     call each): `host_copy` snapshots them without recording autograd."""

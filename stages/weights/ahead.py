@@ -1,9 +1,9 @@
 """Reads the first step waits for, started early on one worker thread (docs/architecture.md, "Startup").
 
 A fresh CUDA run's main thread used to read, one after the other: the student's weights and LoRA,
-the tokenizer (0.47 s on the H200's host), pandas (0.5 s: pyarrow imports it at the first array it
-builds from a Python list, to ask whether the list is a pandas object), and after the first rollout
-the teacher's weights (0.55 s, mostly waiting on transformers' loading threads). `Session.load_ahead`
+the tokenizer, pandas (pyarrow imports it at the first array it builds from a Python list, to ask
+whether the list is a pandas object), and after the first rollout the teacher's weights (mostly
+waiting on transformers' loading threads), each a part of a second. `Session.load_ahead`
 starts the worker; once the student's weights and LoRA are in (the order the memory plan assumes),
 `Session.student` gives it the teacher's weights (where the plan keeps both models resident, the
 teacher is unquantized, as bitsandbytes' import is not made thread-safe, and no memory.vram_gib
@@ -13,17 +13,13 @@ models' tensors themselves are read from the start, the student's then the teach
 main thread imports transformers (`weights`: safetensors' reads onto the device, which hold the
 interpreter for little more than one call per tensor; `weights_read` says whose), so each model's
 load is transformers making it of tensors already on the device (models.load's `weights`; in the
-dtype the run computes in, else from the files). Given
-the teacher while the LoRA was being built, the LoRA took 1.6-1.8 s instead of 0.6-0.7: each of
-its 448 small host-to-device copies queued on the one default stream behind the teacher's,
-whose loading threads also held the interpreter (benchmarks/results/2026-12-04-h200-756be39-first-update.md,
-`student_base_loaded` to `lora_built` with and without `runtime.warmup`). Read after it, the
-teacher makes the engine's capture wait instead (0.9-1.2 s after policy 0): first updates 6.96-7.38 s
-against 6.43-7.58, no gain measured (-7171133-first-update.md). Python-bound work does not overlap, the
-interpreter runs one thread at a time: started as the session opened, the reads slowed the
-student's load (its imports, and module locks the worker held) by about what they saved later:
-first update 7.69 s, median of three, against 7.58 for the warm-up alone at 63cb842 (H200,
-benchmarks/results/2026-12-03-h200-fe676e2-first-update.md).
+dtype the run computes in, else from the files). Given the teacher while the LoRA was being
+built, the LoRA took over twice as long: each of its 448 small host-to-device copies queued on the
+one default stream behind the teacher's, whose loading threads also held the interpreter. Read
+after it, the teacher makes the engine's capture wait instead, with no gain measured in the first
+update (docs/performance.md). Python-bound work does not overlap, the interpreter runs one thread
+at a time: started as the session opened, the reads slowed the student's load (its imports, and
+module locks the worker held) by about what they saved later.
 
 Nothing here computes anything a run publishes: each job only reads, loading a model draws no random
 numbers (tests/test_session.py: the same teacher and policy 0 with the reads as without; on the GPU,
@@ -47,10 +43,10 @@ from . import adapters
 # a thread waiting for the interpreter lock asks the running one to drop it only after this long
 # (Python's default: 5 ms), and the main thread gives the lock up at every torch call, so each of
 # its hundreds of small calls (building the LoRA, launching a capture's kernels) could wait up to
-# the interval behind a thread running Python. The student's LoRA built by PEFT on a 2-core AMD EPYC:
-# 0.38 s alone, 12.4 s beside a thread running Python bytecode at 5 ms, 1.35 s at 0.5 ms, 1.57 s at
-# 0.1 ms (medians of five, benchmarks/results/2026-12-03-cpu-switch-interval.md). Not measured apart
-# on the GPU machine: its first update was measured with it (docs/architecture.md, "Startup").
+# the interval behind a thread running Python. Building the student's LoRA beside a thread running
+# Python bytecode took 30 times as long at 5 ms as alone, 3.5 times at 0.5 ms and 4 times at 0.1 ms
+# (docs/performance.md). Not measured apart on the GPU machine: its first update was measured with it
+# (docs/architecture.md, "Startup").
 SWITCH_S = 0.0005
 _switch_before: list[float] = []
 

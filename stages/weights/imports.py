@@ -13,7 +13,7 @@ import torch
 def bitsandbytes() -> None:
     """Import bitsandbytes (when installed and not imported yet) with its import-time torch.compile
     calls made lazy. bitsandbytes 0.50 wraps four of its default (CPU) kernels in torch.compile as it is imported,
-    and torch.compile imports Inductor on the spot (0.73 s on a 2-core Xeon, torch 2.13). peft
+    and torch.compile imports Inductor on the spot (most of a second on a 2-core CPU). peft
     imports bitsandbytes whenever it is installed, so every training process paid that, quantized
     or not, though nothing in it compiles on the default path. Each wrapper now makes its compiled
     function at its first call instead, which is when torch.compile compiles anyway. Call it before
@@ -47,10 +47,9 @@ def transformers_generation() -> None:
     """Import transformers' generation code (every model class's GenerationMixin) with its
     scikit-learn import deferred. transformers before 5.24 imports `sklearn.metrics.roc_curve` as
     `generation/candidate_generator.py` is imported, wherever scikit-learn is installed, for
-    assisted generation's adaptive confidence threshold alone; that import brings in scipy too:
-    3.2 s of a fresh process's first update on the H200 (benchmarks/results/
-    2026-12-02-h200-6c400fd-first-update.md). 5.24 imports it where it is used; this does the same for
-    older versions (`_seeing_none`)."""
+    assisted generation's adaptive confidence threshold alone; that import brings in scipy too,
+    seconds of a fresh process's first update (docs/performance.md). 5.24 imports it where it is
+    used; this does the same for older versions (`_seeing_none`)."""
     name = "transformers.generation.candidate_generator"
     if name in sys.modules or importlib.util.find_spec("sklearn") is None:
         return
@@ -65,10 +64,10 @@ def transformers_losses() -> None:
     """Import transformers' loss modules (modeling_utils imports them all, for every model class)
     with their scipy import deferred (`_seeing_none`). Six of them, the object-detection losses (DETR
     and its kin), import `scipy.optimize.linear_sum_assignment` as they are imported, wherever scipy
-    is installed, for their Hungarian matchers alone: 0.375 s of the H200's main thread in the
-    first update (benchmarks/results/2026-12-04-h200-df4495c-first-update.md; `first_update.py
-    --explain` of its .pyspy.gz, under `<module> (transformers/loss/loss_for_object_detection`).
-    A matcher still checks for scipy as it is built, through transformers' own backend table."""
+    is installed, for their Hungarian matchers alone: a part of a second of the first update's main
+    thread (docs/performance.md; `benchmarks/first_update.py --explain` shows it under
+    `<module> (transformers/loss/loss_for_object_detection`). A matcher still checks for scipy as it
+    is built, through transformers' own backend table."""
     name = "transformers.loss.loss_utils"
     if name not in sys.modules and importlib.util.find_spec("scipy") is not None:
         _seeing_none("is_scipy_available", name, "linear_sum_assignment", "scipy.optimize")

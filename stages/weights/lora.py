@@ -54,9 +54,9 @@ def peft_wrap_quietly():
 def moved_at_once():
     """PEFT (0.21) builds each adapter on the host and moves it to its base layer's device, cast to that
     layer's (compute) dtype, before building the next; `cast_adapter_dtype` then upcasts half precision
-    to fp32. For the 360M student: 448 small blocking host-to-device copies, 0.535 s of the H200's first
-    update (`python benchmarks/first_update.py --under LoraLayer.update_layer --explain
-    benchmarks/results/2026-12-04-h200-df4495c-first-update.pyspy.gz`). Here the moves of adapters that
+    to fp32. For the 360M student: 448 small blocking host-to-device copies, half a second of the first
+    update (docs/performance.md; `python benchmarks/first_update.py --under LoraLayer.update_layer
+    --explain` of a profile shows them). Here the moves of adapters that
     are modules of floating parameters (a Linear's LoRA) wait until the LoRA is built and go as one copy
     per (device, dtype) of what PEFT's moves and upcast leave, each parameter a view of it: the same
     values, dtypes and devices (tests/weights/test_lora.py, tests/gpu/test_gpu_lora.py). Any other

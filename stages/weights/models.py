@@ -16,6 +16,7 @@ import torch
 
 from ..run import identity, reproducible
 from . import imports
+from .state import base_of, state  # (base_of is defined beside the state it keys: models.base_of)
 from ..run.config import ROOT, ModelCfg
 from ..errors import UserError
 from ..run.store import Store, canonical, file_hash, seed_of
@@ -246,10 +247,10 @@ def _from_weights(model_dir: Path, weights: dict, dtype: torch.dtype, kw: dict):
     if cls is None:
         return None
     # transformers reserves the model's bytes on the device before a load (caching_allocator_warmup), for
-    # the copies a load from files makes; these tensors need none, and the block stayed cached, then split by
-    # later allocations: reserved 8.84 GiB against 6.97 before reading ahead (89e6bc8's runs, allocated the
-    # same); an empty_cache after the load freed it in one arm, not the other (15847d0). The main thread
-    # loads nothing meanwhile: the student's load ends before the teacher's starts on the worker.
+    # the copies a load from files makes; these tensors need none, and the block stayed cached, then split
+    # by later allocations: gigabytes more reserved than before reading ahead, the same allocated; an
+    # empty_cache after the load did not reliably free it. The main thread loads nothing meanwhile: the
+    # student's load ends before the teacher's starts on the worker.
     import transformers.modeling_utils as mu
 
     warmup = getattr(mu, "caching_allocator_warmup", None)
@@ -280,11 +281,6 @@ def enable_activation_checkpointing(model, preserve_rng_state: bool) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
-def base_of(model):
-    """The transformers model under a PEFT wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def compile_settings() -> None:
     """What every torch.compile of ours runs under. Inductor's deterministic mode: without it,
     Inductor benchmarks candidate reduction configs (block size, warps) on the device at the first
@@ -308,7 +304,7 @@ def compile_layers(model, training: bool) -> None:
     teacher): the no-grad scoring forward."""
     compile_settings()
     base = base_of(model)
-    base.__dict__["_opd_compiled"] = "training" if training else "inference"
+    state(base).compiled = "training" if training else "inference"
     for layer in base.model.layers:
         layer.compile(dynamic=True)
 
@@ -317,7 +313,7 @@ def uncompile_layers(model) -> None:
     """Back to the eager layers (the fallback when compilation fails): nn.Module.compile keeps the
     compiled call in `_compiled_call_impl`, and a module without one runs its plain forward."""
     base = base_of(model)
-    base.__dict__.pop("_opd_compiled", None)
+    state(base).compiled = None
     for layer in base.model.layers:
         layer._compiled_call_impl = None
 
@@ -327,8 +323,8 @@ _MODULES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def set_training(model, on: bool) -> None:
     """model.train(on), without nn.Module.train's walk and checked __setattr__ per module: a
-    LoRA'd SmolLM2-360M has 2,665 modules, and train() + eval() around every update cost ~8 ms
-    of host time (~60 ms while the publish thread held the interpreter). The module list is taken
+    LoRA'd SmolLM2-360M has 2,665 modules, and train() + eval() around every update cost host time
+    on every step (more while the publish thread held the interpreter). The module list is taken
     once per model (adding LoRA or pruning layers makes a new model object or happens before).
     A module whose train() does more than set the flag (DoRA's, transformers' with kernels) gets
     the real call."""

@@ -6,6 +6,7 @@ import torch
 
 import numerics
 from stages.engine import lmhead, sampler
+from stages.engine.sampling import Sampling
 from support import seeds
 from engine_models import EOS, PAD, PROMPTS, engine_hidden, hf_greedy, tempered_logprob, tiny, with_trained_lora
 
@@ -19,7 +20,7 @@ def test_greedy_matches_transformers_generate(arch):
     eng = sampler.make(model, use_graphs=False)
     assert eng is not None
     n = 12
-    got = eng.generate(PROMPTS, n, eos=-1, pad=PAD, seed=0, greedy=True)  # eos=-1: never stop
+    got = eng.generate(PROMPTS, n, eos=-1, pad=PAD, seed=0, sampling=Sampling(greedy=True))  # eos=-1: never stop
     for b, p in enumerate(PROMPTS):
         assert got.tokens[b].tolist() == hf_greedy(model, p, n)
 
@@ -28,7 +29,7 @@ def test_greedy_matches_transformers_generate(arch):
 def test_sample_logprobs_match_teacher_forced_recompute(seed, monkeypatch):
     model = with_trained_lora(tiny(seed=seed))
     eng = sampler.make(model, use_graphs=False)
-    out = eng.generate(PROMPTS, 10, eos=EOS, pad=PAD, seed=123 + seed, temperature=0.7)
+    out = eng.generate(PROMPTS, 10, eos=EOS, pad=PAD, seed=123 + seed, sampling=Sampling(0.7))
     resp = [out.tokens[b, :int(out.lengths[b])].tolist() for b in range(len(PROMPTS))]
     p = lmhead.pack(PROMPTS, resp, [[1] * len(r) for r in resp], PAD, "cpu")
     with torch.no_grad():
@@ -68,9 +69,9 @@ def test_sampling_reproduces_exactly_from_the_seed_and_differs_across_seeds():
 def test_eos_stops_each_sequence_and_is_kept_in_the_response():
     model = tiny()
     eng = sampler.make(model, use_graphs=False)
-    free = eng.generate(PROMPTS, 8, eos=-1, pad=PAD, seed=0, greedy=True)
+    free = eng.generate(PROMPTS, 8, eos=-1, pad=PAD, seed=0, sampling=Sampling(greedy=True))
     eos = int(free.tokens[0, 3])  # pretend the 4th greedy token of row 0 is EOS
-    out = eng.generate(PROMPTS, 8, eos=eos, pad=PAD, seed=0, greedy=True)
+    out = eng.generate(PROMPTS, 8, eos=eos, pad=PAD, seed=0, sampling=Sampling(greedy=True))
     first = (free.tokens[0] == eos).nonzero()[0].item()
     assert bool(out.finished[0]) and int(out.lengths[0]) == first + 1
     assert out.tokens[0, first].item() == eos  # the student must learn to stop: EOS is in the response
@@ -80,22 +81,22 @@ def test_eos_stops_each_sequence_and_is_kept_in_the_response():
 def test_min_new_tokens_blocks_eos():
     model = tiny()
     eng = sampler.make(model, use_graphs=False)
-    free = eng.generate(PROMPTS, 8, eos=-1, pad=PAD, seed=0, greedy=True)
+    free = eng.generate(PROMPTS, 8, eos=-1, pad=PAD, seed=0, sampling=Sampling(greedy=True))
     eos = int(free.tokens[0, 0])
-    out = eng.generate(PROMPTS, 8, eos=eos, pad=PAD, seed=0, greedy=True, min_new=8)
+    out = eng.generate(PROMPTS, 8, eos=eos, pad=PAD, seed=0, sampling=Sampling(greedy=True), min_new=8)
     assert int(out.lengths[0]) == 8 and (out.tokens[0] != eos).all()
 
 
 def test_refresh_picks_up_a_new_policy():
     model = with_trained_lora(tiny())
     eng = sampler.make(model, use_graphs=False)
-    before = eng.generate(PROMPTS, 6, eos=-1, pad=PAD, seed=0, greedy=True).tokens
+    before = eng.generate(PROMPTS, 6, eos=-1, pad=PAD, seed=0, sampling=Sampling(greedy=True)).tokens
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.mul_(-3)
     eng.refresh()
-    after = eng.generate(PROMPTS, 6, eos=-1, pad=PAD, seed=0, greedy=True).tokens
+    after = eng.generate(PROMPTS, 6, eos=-1, pad=PAD, seed=0, sampling=Sampling(greedy=True)).tokens
     assert not torch.equal(before, after)
     assert after[0].tolist() == hf_greedy(model, PROMPTS[0], 6)
 
@@ -119,5 +120,19 @@ def test_refresh_merges_a_lora_on_the_lm_head_too():
                 p.normal_(0, 0.2)
     eng.refresh()  # a new policy version: the head's merged copy follows, as the layers' weights do
     assert torch.equal(eng.W["head"], sampler.make(model, use_graphs=False).W["head"])
-    got = eng.generate(PROMPTS, 6, eos=-1, pad=PAD, seed=0, greedy=True).tokens
+    got = eng.generate(PROMPTS, 6, eos=-1, pad=PAD, seed=0, sampling=Sampling(greedy=True)).tokens
     assert got[0].tolist() == hf_greedy(model, PROMPTS[0], 6)
+
+
+def test_sampling_decides_greedy_from_the_rollout_temperature_in_one_place():
+    from stages.run.config import RolloutCfg
+
+    zero, warm = RolloutCfg(temperature=0.0, top_p=0.9), RolloutCfg(temperature=0.7)
+    assert Sampling.of(zero) == Sampling(1.0, 0.9, True)  # greedy, its log-probs untempered
+    assert Sampling.of(warm) == Sampling(0.7, 1.0, False)
+    assert Sampling.of(warm, greedy=True) == Sampling(0.7, 1.0, True)  # (tooleval: greedy at the run's temperature)
+    assert len({Sampling.of(zero), Sampling(1.0, 0.9, True), Sampling()}) == 2  # hashable: keys the engine's graphs
+    with pytest.raises(ValueError, match="Sampling.of"):
+        Sampling(0.0)
+    with pytest.raises(AttributeError):
+        Sampling().greedy = True  # frozen

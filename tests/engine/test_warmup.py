@@ -8,10 +8,12 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 
 import torch
 
 from stages.engine import decoder, warmup
+from stages.engine.sampling import Sampling
 
 CPU = torch.device("cpu")
 LLAMA = {"E": 64, "H": 4, "KV": 2, "D": 16, "I": 96, "V": 500, "eps": 1e-5, "act": "silu", "qk_norm": False,
@@ -37,9 +39,9 @@ def test_its_work_draws_no_random_numbers_at_any_architecture_it_meets():
         W = warmup._weights(d, torch.float32, CPU)
         for layer in (decoder.layer, decoder.fused_layer):  # (fused_layer falls back to the eager layer off CUDA)
             for min_new in (0, 4):  # (the EOS blocked or not)
-                warmup._sample(W, 3, 16, 4, (1.0, 1.0, False), min_new, layer)
-        warmup._sample(W, 3, 16, 4, (0.7, 0.9, False), 0, decoder.layer)  # top-p's passes
-        warmup._sample(W, 3, 16, 4, (1.0, 1.0, True), 0, decoder.layer)  # greedy
+                warmup._sample(W, 3, 16, 4, Sampling(), min_new, layer)
+        warmup._sample(W, 3, 16, 4, Sampling(0.7, 0.9), 0, decoder.layer)  # top-p's passes
+        warmup._sample(W, 3, 16, 4, Sampling(greedy=True), 0, decoder.layer)  # greedy
         warmup._teacher_forced(d, 3, 32, 0, torch.float32, CPU, train=False)
         warmup._teacher_forced(d, 3, 32, 4, torch.float32, CPU, train=True)
     assert torch.equal(torch.random.get_rng_state(), before)
@@ -49,7 +51,7 @@ def test_nothing_starts_off_cuda(tmp_path, monkeypatch):
     spawned = []
     monkeypatch.setattr(warmup, "_spawn", lambda spec: spawned.append(spec))  # (a child is only reported once joined)
     warmup.start(tmp_path / "config.json", tmp_path / "config.json", rows=2, prompt=16, new=4, length=32, rank=4,
-                 sampling=(1.0, 1.0, False), min_new=0, dtype=torch.float32, device=CPU, compiled=True, precompile=True)
+                 sampling=Sampling(), min_new=0, dtype=torch.float32, device=CPU, compiled=True, precompile=True)
     assert warmup._RUNNING == [] and warmup.report() == {} and spawned == []
     warmup.wait()  # nothing to join
 
@@ -60,7 +62,7 @@ def test_a_failing_child_is_reported_in_one_line_not_raised(tmp_path, monkeypatc
     here a config.json that is not there."""
     monkeypatch.setattr(warmup, "_RESULT", {})
     monkeypatch.chdir(tmp_path)
-    spec = {"config": str(tmp_path / "missing.json"), "rows": 2, "prompt": 16, "new": 4, "sampling": [1.0, 1.0, False],
+    spec = {"config": str(tmp_path / "missing.json"), "rows": 2, "prompt": 16, "new": 4, "sampling": asdict(Sampling()),
             "min_new": 0, "dtype": "bfloat16", "compiled": True, "device": 0}
     warmup._join_children([warmup._spawn({**spec, "part": part}) for part in ("draw", "step")])
     err = warmup.report()["precompile_error"]
@@ -69,7 +71,7 @@ def test_a_failing_child_is_reported_in_one_line_not_raised(tmp_path, monkeypatc
 
 
 def test_children_compile_only_what_the_engine_launches_one_core_each():
-    plain, top_p, greedy = (1.0, 1.0, False), (1.0, 0.9, False), (0.7, 1.0, True)
+    plain, top_p, greedy = Sampling(), Sampling(top_p=0.9), Sampling(0.7, greedy=True)
     assert warmup.parts(True, plain, 16) == ("draw", "step")
     assert warmup.parts(False, plain, 16) == ("draw",)  # (the eager step launches no Triton kernel)
     assert warmup.parts(True, top_p, 16) == warmup.parts(True, greedy, 16) == ("step",)  # (torch's passes draw)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from stages.engine import lmhead, sampler
+from stages.engine.sampling import Sampling
 from engine_models import PROMPTS, hf_greedy, tiny, with_trained_lora
 
 pytestmark = pytest.mark.gpu
@@ -40,8 +41,8 @@ def test_graph_replay_equals_eager_fp32(compile):
         # it is compared greedily: the same argmax at every step, the same log-probs to ~1e-4.
         # Its sampling is checked against a teacher-forced recompute (test_sample_logprobs_...).
         # (the prefill is replayed too: each call's prompts, padding and draws reach the static buffers)
-        a = g.generate(prompts, 24, eos=2, pad=2, seed=seed, greedy=compile)
-        b = e.generate(prompts, 24, eos=2, pad=2, seed=seed, greedy=compile)
+        a = g.generate(prompts, 24, eos=2, pad=2, seed=seed, sampling=Sampling(greedy=compile))
+        b = e.generate(prompts, 24, eos=2, pad=2, seed=seed, sampling=Sampling(greedy=compile))
         # same kernels family; cuBLAS may pick another algorithm under capture: ~1e-4 in fp32
         assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.logprobs, b.logprobs, atol=1e-3)
         assert torch.equal(a.lengths, b.lengths) and torch.equal(a.finished, b.finished)
@@ -55,7 +56,7 @@ def test_greedy_matches_generate_fp32_and_bf16(compile):
     for dtype in (torch.float32, torch.bfloat16):
         m = cuda_model(dtype)
         eng = sampler.Engine(m, use_graphs=True, compile=compile)
-        out = eng.generate([p for p in PROMPTS], 16, eos=-1, pad=2, seed=0, greedy=True)
+        out = eng.generate([p for p in PROMPTS], 16, eos=-1, pad=2, seed=0, sampling=Sampling(greedy=True))
         for b, p in enumerate(PROMPTS):
             ref = hf_greedy(m, p, 16) if dtype == torch.float32 else None
             if ref is None:

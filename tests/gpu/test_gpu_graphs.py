@@ -8,6 +8,7 @@ import torch
 
 from stages.engine import graphs, lmhead, sampler
 from stages.weights import models
+from stages.weights.state import state
 from engine_models import PAD, tiny, with_trained_lora
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +26,7 @@ def _model(dtype):
 
 
 def _hidden_and_grads(model, p, graphed: bool, train: bool):
-    models.base_of(model).__dict__["_opd_use_graphs"] = graphed
+    state(model).use_graphs = graphed
     models.set_training(model, train)
     named = models.trainable(model)
     for _, q in named:
@@ -67,7 +68,7 @@ def test_graphed_forward_and_backward_match_eager_and_repeat_exactly(dtype, ckpt
                 for k in gg:
                     scale = ge[k].float().abs().max().clamp_min(1e-6)
                     assert torch.allclose(gg[k].float() / scale, ge[k].float() / scale, **tol), k
-    held = models.base_of(m).__dict__["_opd_graphs"]
+    held = state(m).graphs
     assert {k[0] for k in held if k != "params"} == {"train", "infer"}  # one graph per mode and shape
     # the parameters change (an optimizer step): the replay reads them, not a captured copy
     with torch.no_grad():
@@ -111,7 +112,7 @@ def test_in_place_engine_restores_the_base_before_the_next_forward_reads_it():
     m = tiny("smollm2-360m", initializer_range=0.02).to("cuda", torch.bfloat16)
     decoder.fuse_projections(m)
     m = with_trained_lora(m, scale=0.02)
-    models.base_of(m).__dict__["_opd_use_graphs"] = False
+    state(m).use_graphs = False
     p = _batch(0)
     with torch.no_grad():
         ref = lmhead.hidden(m, p)
@@ -123,7 +124,7 @@ def test_in_place_engine_restores_the_base_before_the_next_forward_reads_it():
         assert torch.equal(h, ref), seed
     base = models.base_of(m)
     torch.cuda.synchronize()
-    assert torch.equal(base.__dict__["_opd_flat"].cpu(), base.__dict__["_opd_pristine"])
+    assert torch.equal(state(base).flat.cpu(), state(base).pristine)
 
 
 def test_a_merge_enqueued_ahead_samples_what_a_merge_at_generate_does():
@@ -138,7 +139,7 @@ def test_a_merge_enqueued_ahead_samples_what_a_merge_at_generate_does():
     decoder.fuse_projections(m)
     m = with_trained_lora(m, scale=0.02)
     base = models.base_of(m)
-    base.__dict__["_opd_use_graphs"] = False
+    state(base).use_graphs = False
     prompts, kw, p = [[1, 5, 6, 7]] * 4, dict(eos=-1, pad=PAD, seed=1), _batch(0)
     with torch.no_grad():
         ref_h = lmhead.hidden(m, p)
@@ -161,4 +162,4 @@ def test_a_merge_enqueued_ahead_samples_what_a_merge_at_generate_does():
     again = eng.generate(prompts, 8, **kw)
     assert torch.equal(new.logprobs, again.logprobs) and not torch.equal(new.logprobs, ref.logprobs)
     torch.cuda.synchronize()
-    assert torch.equal(base.__dict__["_opd_flat"].cpu(), base.__dict__["_opd_pristine"])
+    assert torch.equal(state(base).flat.cpu(), state(base).pristine)

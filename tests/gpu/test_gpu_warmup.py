@@ -59,15 +59,17 @@ import json, os, sys
 from pathlib import Path
 import torch
 from engine_models import EOS, PAD, tiny, with_trained_lora
+from dataclasses import asdict
 from stages.engine import sampler, warmup
+from stages.engine.sampling import Sampling
 
 out, children = Path(sys.argv[1]), sys.argv[2] == "children"
 cache = Path(os.environ["TRITON_CACHE_DIR"])
 m = tiny("smollm2-360m", num_hidden_layers=2, initializer_range=0.02).to("cuda", torch.bfloat16)
 m.config.to_json_file(out / "config.json")
-sampling, min_new = (1.0, 1.0, False), 8
+sampling, min_new = Sampling(), 8
 if children:  # the run's precompiling children at the engine's shapes (Session -> train.warm_up -> warmup.start)
-    spec = {"config": str(out / "config.json"), "rows": 4, "prompt": 16, "new": 8, "sampling": list(sampling),
+    spec = {"config": str(out / "config.json"), "rows": 4, "prompt": 16, "new": 8, "sampling": asdict(sampling),
             "min_new": min_new, "dtype": "bfloat16", "compiled": True, "device": 0}
     warmup._join_children([warmup._spawn({**spec, "part": p}) for p in warmup.parts(True, sampling, 16)])
     assert "precompile_error" not in warmup.report(), warmup.report()

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from stages import train
 from stages.engine import lmhead
+from stages.engine.sampling import Sampling
 from stages.weights import lora, models
 from stages.run.config import LoraCfg, ModelCfg
 from stages.errors import UserError
@@ -107,8 +108,8 @@ def test_nf4_student_samples_with_the_engine_as_transformers_would(work):
     eng = sampler.make(s, use_graphs=False)
     assert eng is not None
     prompts = [[1, 500, 600, 700, 800], [1, 42], [1, 9000, 9001, 9002]]
-    got = eng.generate(prompts, 10, eos=-1, pad=2, seed=0, greedy=True)
-    ref = sampler.hf_generate(s, prompts, 10, eos=-1, pad=2, seed=0, greedy=True)
+    got = eng.generate(prompts, 10, eos=-1, pad=2, seed=0, sampling=Sampling(greedy=True))
+    ref = sampler.hf_generate(s, prompts, 10, eos=-1, pad=2, seed=0, sampling=Sampling(greedy=True))
     assert torch.equal(got.tokens, ref.tokens)
     out = eng.generate(prompts, 10, eos=-1, pad=2, seed=3)
     resp = [out.tokens[b].tolist() for b in range(len(prompts))]

@@ -82,7 +82,7 @@ def test_no_pickle_anywhere_in_the_outputs(reference):
 
 def test_trust_remote_code_is_off_unless_set():
     # the default, in the schema and in the shipped config tree
-    cfg_src = (STAGES / "blocks" / "config.py").read_text()
+    cfg_src = (STAGES / "run" / "config.py").read_text()
     assert "trust_remote_code: bool = False" in cfg_src
     import yaml
 

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))  # cpu_peer (miniVERL recipe and launcher)
 from stages.tools.process import process_settings  # noqa: E402
+import roofline  # noqa: E402
 
 process_settings()  # before torch anywhere in this process, as `opd` does (stages/cli.py)
 
@@ -401,6 +402,7 @@ def markdown(result: dict) -> str:
                           f"when each was first done: {pieces(s['startup_s'])}"]
         if wres.get("ratios"):
             lines += ["", "Ratios (peer median s/update ÷ ours): " + ", ".join(f"{k}: {v}x" for k, v in wres["ratios"].items())]
+        lines += roofline.markdown(wres.get("roofline"), result.get("peaks"))
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -477,7 +479,8 @@ def main(argv=None) -> int:
 
     device = torch.cuda.get_device_name(0) if DEVICE == "cuda" and torch.cuda.is_available() else "cpu"
     result = {"date": args.date, "device": device, "command": " ".join(["python", *sys.argv]),
-              "torch": torch.__version__, "workloads": {}}
+              "torch": torch.__version__, "workloads": {},
+              "peaks": None if args.smoke else roofline.measure_peaks()}  # (before any model: the whole device)
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = device.replace("NVIDIA ", "").replace(" ", "-").lower()
     stem = args.out / (f"{result['date']}-smoke" if args.smoke else f"{result['date']}-{gpu}-systems")
@@ -502,6 +505,8 @@ def main(argv=None) -> int:
             ours = systems[0].get("median_update_s") if systems[0]["name"] == "opd-stages" else None
             wa["ratios"] = {x["name"]: round(x["median_update_s"] / ours, 2) for x in systems[1:]
                             if ours and x.get("median_update_s") and not x["name"].startswith("opd-stages")}
+            if systems[0]["name"] == "opd-stages":
+                wa["roofline"] = roofline.table(w, systems[0], result["peaks"])
             save()
 
         ours_arms = args.ours.split(",")
@@ -537,6 +542,7 @@ def main(argv=None) -> int:
         # ~130 s: the random weights' ~40 s come before the run's ~90 (2026-12-04: with the seed outside
         # the deadline's check, it started with 5 s left and ran the call past its limit)
         systems_b.append(run_system(seeded_then_ours, "opd-stages", deadline, 130))
+        result["workloads"]["b"]["roofline"] = roofline.table(WORKLOAD_B, systems_b[0], result["peaks"])
         save()
         print(json.dumps(result["workloads"]["b"], indent=1), flush=True)
     save()

@@ -44,3 +44,27 @@ def test_each_steps_phases_and_the_rest_add_up_to_its_wall_time():
         for k, wall in enumerate(s["step_wall_s"]):
             assert abs(sum(per[ph][k] for ph in ("rollout", "score", "update", "outside")) - wall) <= 2e-4, (s["name"], k)
         assert abs(s["median_outside_phases_s"] - systems.median(per["outside"][1:])) <= 2e-4  # (update 1 left out)
+
+
+def test_the_roofline_is_the_bytes_and_flops_of_each_phase_over_the_peaks():
+    """Workload a at round peaks: each decode step reads the student's weights (tied head) and the KV
+    cache so far; scoring and the update are bound by their FLOPs; the report prints our multiple."""
+    import roofline
+
+    peaks = {"bandwidth_gbs": 1000.0, "bf16_tflops": 1000.0}
+    w = systems.WORKLOAD_A
+    st = roofline.shape(w["student"])
+    # SmolLM2-360M: 32 layers, hidden 960, 15 heads of 64, 5 kv heads, inter 2560, vocab 49,152
+    assert st["linear"] == 32 * (960 * 960 + 2 * 960 * 320 + 960 * 960 + 3 * 960 * 2560)
+    assert st["head"] == 49152 * 960
+    f = roofline.floors(w, peaks)
+    weights_s = (st["linear"] + st["head"]) * 2 / 1e12
+    kv_s = sum(2 * 32 * 320 * 4 * (128 + t) * 2 for t in range(64)) / 1e12
+    assert 64 * weights_s + kv_s < f["rollout"] < 64 * weights_s + kv_s + 1e-3  # + the prefill's compute
+    assert f["step"] == f["rollout"] + f["score"] + f["update"]
+    ours = {"name": "opd-stages", "median_rollout_s": 0.064, "median_score_s": 0.0104,
+            "median_update_phase_s": 0.0574, "median_update_s": 0.158}
+    rows = roofline.table(w, ours, peaks)
+    assert rows["update"]["x_floor"] == round(0.0574 / f["update"], 1)
+    assert "| rollout |" in "\n".join(roofline.markdown(rows, peaks))
+    assert roofline.table(w, {"name": "opd-stages", "error": "skipped"}, peaks) is None

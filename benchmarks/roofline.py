@@ -33,24 +33,25 @@ def measure_peaks(repeats: int = 10) -> dict | None:
         torch.cuda.synchronize()
         t = []
         for _ in range(repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             fn()
-            b.record()
-            b.synchronize()
-            t.append(a.elapsed_time(b) / 1e3)
+            end.record()
+            end.synchronize()
+            t.append(start.elapsed_time(end) / 1e3)
         return min(t)
 
-    n = 1 << 30
-    x = torch.empty(n, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    bw = 2 * n / best(lambda: y.copy_(x)) / 1e9
-    del x, y
-    m = 8192
-    a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
-    tflops = 2 * m**3 / best(lambda: a @ b) / 1e12
-    del a, b
+    def copy_gbs(n: int = 1 << 30) -> float:  # bytes read and written by a 1 GiB copy
+        x = torch.empty(n, dtype=torch.uint8, device="cuda")
+        y = torch.empty_like(x)
+        return 2 * n / best(lambda: y.copy_(x)) / 1e9
+
+    def matmul_tflops(m: int = 8192) -> float:
+        a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+        return 2 * m**3 / best(lambda: a @ b) / 1e12
+
+    bw, tflops = copy_gbs(), matmul_tflops()
     torch.cuda.empty_cache()
     return {"bandwidth_gbs": round(bw, 1), "bf16_tflops": round(tflops, 1)}
 

@@ -9,10 +9,12 @@ written, so `./install.sh` builds the clone's own .venv (no test extras: no Trit
 and `dvc repro` (prepare -> train -> evaluate -> export -> report) runs in it, the embedded model
 materialised from its GGUF as a new user's first run does.
 The record (<out>/default-run.json + .md) holds the machine, the wall time, the run view's
-metrics.json and answers.json, and the digest of the resolved default config (view.json's
-`config`). `--readme` rewrites README's block between the `default-run` markers from the record;
-`--check` fails when that block differs from what the record renders, or when the default config
-composed from conf/ now has another digest than the recorded run had (the figures would be stale).
+metrics.json (headline numbers), eval.json (the whole evaluation, as `eval`) and answers.json, and the
+digest of the resolved default config (view.json's `config`); a record made before the view had an
+eval.json holds the whole evaluation in `metrics` (`eval`, `updates`), and `block()` reads both.
+`--readme` rewrites README's block between the `default-run` markers from the record; `--check`
+fails when that block differs from what the record renders, or when the default config composed
+from conf/ now has another digest than the recorded run had (the figures would be stale).
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ def measure(out: Path) -> dict:
                "config": json.loads((run / "view.json").read_text())["config"],
                "timings": train.get("timings"),
                "metrics": json.loads((run / "metrics.json").read_text()),
+               "eval": json.loads((run / "eval.json").read_text()),
                "answers": json.loads((run / "answers.json").read_text())}
     out.mkdir(parents=True, exist_ok=True)
     (out / "default-run.json").write_text(json.dumps(rec, indent=1) + "\n")
@@ -80,9 +83,17 @@ def write_md(rec: dict, out: Path) -> None:
     (out / "default-run.md").write_text(f"# Default run ({rec['date']}, commit {rec['commit'][:10]})\n\n{block(rec)}\n")
 
 
+def evaluation(rec: dict) -> tuple[dict, int]:
+    """(the whole evaluation record, updates): the run view's eval.json, or in a record made before the
+    view had one, metrics.json's `eval` and `updates`."""
+    if "eval" in rec:
+        return rec["eval"], rec["eval"]["updates"]
+    return rec["metrics"]["eval"], rec["metrics"]["updates"]
+
+
 def block(rec: dict) -> str:
     """README's figures, all read from the record."""
-    ev, m = rec["metrics"]["eval"], rec["machine"]
+    (ev, updates), m = evaluation(rec), rec["machine"]
     t, o = ev["initial"]["on_teacher_text"], ev["final"]["on_teacher_text"]
     ko = ev["initial"]["on_own_text"]["kl"], ev["final"]["on_own_text"]["kl"]
     a = {w: ev[w]["answers"] for w in ("teacher", "initial", "final")}
@@ -91,7 +102,7 @@ def block(rec: dict) -> str:
         f"{rec['date']}): " + (f"line 1 took {rec['wall_s'] / 60:.1f} min, `dvc repro` {rec['repro_s'] / 60:.1f} min of it, "
                                if "repro_s" in rec else f"`dvc repro` took {rec['wall_s'] / 60:.1f} min ")
         + "from an empty store "
-        f"({rec['metrics']['updates']} updates). On the {t['tokens']} tokens of the teacher's greedy answers to the "
+        f"({updates} updates). On the {t['tokens']} tokens of the teacher's greedy answers to the "
         f"held-out prompts, top-1 agreement with the teacher rose from {t['top1_agreement']:.3f} to "
         f"{o['top1_agreement']:.3f} and KL(teacher‖student) fell from {t['kl']:.2f} to {o['kl']:.2f} nats/token "
         f"(on the student's own greedy answers: {ko[0]:.2f} -> {ko[1]:.2f}). Non-blank greedy answers: "

@@ -48,7 +48,7 @@ def point(work: Path, keep: int, updates: int, lr: float, extra: list[str]) -> d
     if r.returncode != 0:
         return {"name": name, "keep": keep, "updates": updates, "lr": lr, "error": r.stderr.strip()[-2000:]}
     view = work / "artifacts" / "runs" / name
-    m = json.loads((view / "metrics.json").read_text())["eval"]
+    m = json.loads((view / "eval.json").read_text())  # the full evaluation record
     # seconds per update from each step's own phase records (history.csv), also for steps an
     # earlier point computed and this one reused
     steps = [sum(float(row[f"{ph}_wall_s"]) for ph in ("rollout", "score", "update"))

@@ -10,12 +10,15 @@ with teacher / initial / final answers side by side.
 Two views, both greedy and deterministic: on the teacher's own responses (the same tokens for
 both students: the cleanest before/after comparison) and on each student's own responses (what
 on-policy distillation optimises). Writes eval.json + samples.parquet in the store, and in the run
-view metrics.json (the numbers: DVC metrics, one `dvc exp show` column each) and answers.json (the
-side-by-side answers, text kept out of the metrics table).
+view eval.json (that record, less the answer text), metrics.json (a few headline numbers under short
+flat keys: DVC metrics, one narrow `dvc exp show` column each; stages/run/runview.py `headline`) and
+answers.json (the side-by-side answers, text kept out of the metrics table). A trained student further
+from the teacher than policy 0 on held-out text is one `warning:` line, and `worse` in metrics.json.
 """
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -49,7 +52,7 @@ def measure(sess: Session, student, prompts, responses) -> dict:
             "tokens": int(kl.numel())}
 
 
-SIDE_BY_SIDE = 4  # held-out prompts shown with all three answers in metrics.json and the report
+SIDE_BY_SIDE = 4  # held-out prompts shown with all three answers in answers.json and the report
 
 
 def answers(tok, responses: list[list[int]]) -> dict:
@@ -66,7 +69,7 @@ def answers(tok, responses: list[list[int]]) -> dict:
 def run(sess: Session) -> dict:
     cfg, K = sess.cfg, sess.cfg.train.updates
     dig = sess.chain.evaluate()
-    runview.check_same_run(sess, "evaluating it")  # metrics.json describes the view's run, no other
+    runview.check_same_run(sess, "evaluating it")  # the view's evaluation files describe its run, no other
 
     def produce(tmp: Path) -> None:
         tok = sess.tokenizer()
@@ -100,8 +103,10 @@ def run(sess: Session) -> dict:
 
     d, _ = sess.store.ensure("evaluate", dig, produce)
     result = json.loads((d / "eval.json").read_text())
-    write_json(sess.run_dir / "metrics.json", {"eval": {k: v for k, v in result.items() if k != "side_by_side"},
-                                               "updates": K})
+    # the run view's copies: the whole record (the store's eval.json is not edited), the headline numbers
+    # DVC compares, the answers
+    write_json(sess.run_dir / "eval.json", {"updates": K, **{k: v for k, v in result.items() if k != "side_by_side"}})
+    write_json(sess.run_dir / "metrics.json", runview.headline(result, K))
     write_json(sess.run_dir / "answers.json", {"updates": K, "side_by_side": result["side_by_side"]})
     return result
 
@@ -123,4 +128,7 @@ def main(sess: Session) -> dict:
           f"on own text {o[0]:.4f} -> {o[1]:.4f}; top-1 agreement on teacher text {a[0]:.3f} -> {a[1]:.3f}; "
           f"non-blank answers {r['final']['answers']['nonblank']:.0%}"
           + (" (published by an earlier run: reused)" if reused else ""))
+    warning = runview.worse_warning(runview.headline(r, sess.cfg.train.updates))
+    if warning:
+        print(warning, file=sys.stderr)
     return r

@@ -1,14 +1,15 @@
 """report: one self-contained HTML page for a run — config summary, training curves, per-phase time
 and memory, sampled trajectories with each token coloured by the teacher-student log-prob gap, and
-the evaluation results.
+the evaluation results. A run whose final student is worse than policy 0 on held-out text (metrics.json's
+`worse`) says so in the page's first line, as the evaluate stage's warning does.
 
     opd report RUN [--out report.html]
 
 RUN is a run name (`artifacts/runs/<RUN>`) or a run directory. The page loads nothing: curves are
 PNGs embedded as base64, styles are inline, there is no script, and a Content-Security-Policy that
 forbids every fetch makes the "no network" promise one the browser enforces. It reads only the run
-view (history.csv, step-*/state.json, step-*/{rollout,scores}.parquet, metrics.json, train.json,
-prepare.json, config.json), so it works on any finished or partial run.
+view (history.csv, step-*/state.json, step-*/{rollout,scores}.parquet, metrics.json, eval.json,
+answers.json, train.json, prepare.json, config.json), so it works on any finished or partial run.
 """
 from __future__ import annotations
 
@@ -194,7 +195,9 @@ def status_note(run_dir: Path, reused: list[int]) -> str:
 def render(run_dir: Path, samples_per_step: int = 3) -> str:
     history = read_history(run_dir)
     cfg = read_config(run_dir)
-    metrics = read_json(run_dir / "metrics.json")
+    metrics = read_json(run_dir / "metrics.json")  # the headline numbers (and `worse`)
+    # the whole evaluation record; a view written before eval.json existed kept it in metrics.json
+    evaluation = read_json(run_dir / "eval.json") or (metrics or {}).get("eval")
     answers = read_json(run_dir / "answers.json")
     train = read_json(run_dir / "train.json")
     prepared = read_json(run_dir / "prepare.json")
@@ -207,7 +210,7 @@ def render(run_dir: Path, samples_per_step: int = 3) -> str:
     if history:
         last = history[-1]
         cards += [("final loss", _num(last.get("loss"))), ("final KL (train)", _num(last.get("kl")))]
-    ev = (metrics or {}).get("eval", {})
+    ev = evaluation or {}
     if "kl_reduction_on_teacher_text" in ev:
         cards.append(("held-out KL reduction", _pct(ev["kl_reduction_on_teacher_text"])))
         agree = [ev[p]["on_teacher_text"].get("top1_agreement") for p in ("initial", "final")]
@@ -220,13 +223,15 @@ def render(run_dir: Path, samples_per_step: int = 3) -> str:
     curves = "".join(f'<img alt="{_esc(t)}" src="data:image/png;base64,{b}">' for t, b in imgs) \
         or '<p class="muted">No history.csv yet.</p>'
     name = (cfg or {}).get("run") or run_dir.name
+    worse = runview.worse_warning(metrics)
+    warning = f'<p class="warn">{_esc(worse)}</p>' if worse else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="{CSP}">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>opd report: {_esc(name)}</title><style>{STYLE}</style></head>
 <body><main>
-<h1>opd report: {_esc(name)}</h1>
+{warning}<h1>opd report: {_esc(name)}</h1>
 <div class="muted">run view <code>{_esc(run_dir)}</code></div>
 {status_note(run_dir, reused)}
 <div class="summary">{summary}</div>
@@ -234,7 +239,7 @@ def render(run_dir: Path, samples_per_step: int = 3) -> str:
 <h2 id="curves">Training curves</h2><div class="curves">{curves}</div>
 <h2 id="phases">Time and memory per phase</h2>{phase_section(stats, history, train)}
 <h2 id="trajectories">Trajectories</h2>{trajectory_section(samples)}
-<h2 id="evaluation">Evaluation (held-out)</h2>{eval_section(metrics, answers)}
+<h2 id="evaluation">Evaluation (held-out)</h2>{eval_section(evaluation, answers)}
 </main></body></html>
 """
 

@@ -142,10 +142,12 @@ def trajectory_section(samples: list[tuple[int, list[dict]]]) -> str:
     return "".join(parts)
 
 
-def eval_section(metrics: dict | None, answers: dict | None = None) -> str:
-    if metrics is None:
-        return '<p class="muted">No metrics.json yet (run the evaluate stage).</p>'
-    ev = metrics.get("eval", metrics)
+def eval_section(record: dict | None, answers: dict | None = None) -> str:
+    """The evaluation: `record` is the run view's eval.json (or the `eval` of a metrics.json written
+    before eval.json existed), `answers` its answers.json."""
+    if record is None:
+        return '<p class="muted">No eval.json yet (run the evaluate stage).</p>'
+    ev = record.get("eval", record)
     parts = []
     views = [v for v in ("on_teacher_text", "on_own_text")
              if isinstance(ev.get("initial"), dict) and v in ev["initial"]]
@@ -174,7 +176,7 @@ def eval_section(metrics: dict | None, answers: dict | None = None) -> str:
                                                     for k in ("teacher", "initial", "final")] for r in side]))
     shown = ({f"{p}.{v}" for p in ("initial", "final") for v in views} | {f"kl_reduction_{v}" for v in views}
              | {f"{w}.answers" for w in who})
-    rest = [(k, v) for k, v in _flat(metrics) if not any(k.removeprefix("eval.").startswith(s) for s in shown)]
+    rest = [(k, v) for k, v in _flat(record) if not any(k.removeprefix("eval.").startswith(s) for s in shown)]
     if rest:
         parts.append(_table(["metric", "value"], [[_esc(k), _num(v)] for k, v in rest], "kv"))
     return "".join(parts)
@@ -185,6 +187,7 @@ body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:
 main{max-width:1180px;margin:0 auto;padding:16px 24px 48px}
 h1{font-size:22px;margin:8px 0 4px}h2{font-size:17px;border-bottom:1px solid #d0d7de;padding-bottom:4px;margin-top:28px}
 h3{font-size:14px;margin:16px 0 6px}
+.warn{background:#ffebe9;border:1px solid #cf222e;border-radius:6px;padding:6px 10px;margin:8px 0;color:#82071e;font-weight:600}
 .muted{color:#656d76}.note{background:#fff8c5;border:1px solid #d4a72c;border-radius:6px;padding:6px 10px}.summary{display:flex;flex-wrap:wrap;gap:12px;margin:12px 0}
 .card{border:1px solid #d0d7de;border-radius:6px;padding:8px 12px;min-width:140px;background:#f6f8fa}
 .card b{display:block;font-size:18px}

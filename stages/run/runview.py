@@ -9,7 +9,7 @@ its steps are linked, so that a view never mixes two runs.
 
 `train` writes it: when a run with another final policy takes over the view, the new record (no
 steps yet) replaces the old one in one rename, then the old step dirs and the files that described
-the old run (history, metrics, train record, report) are removed; each step is listed once it is
+the old run (history, metrics, eval, train record, report) are removed; each step is listed once it is
 linked. Readers (`opd report`, `opd inspect`) take only the listed steps; `opd stage export` takes
 the final policy from here. The record holds no timings, so a resumed run writes the same bytes as
 an uninterrupted one. `origin` is how the config was given: `--params FILE` (what `dvc repro` runs)
@@ -30,8 +30,31 @@ from .store import canonical, read_json, write_json
 
 VIEW = "view.json"
 # files in the view that describe one run as a whole: removed when another run takes the view over
-DERIVED = ("history.csv", "train.json", "metrics.json", "answers.json", "report.html", "config.json")
+DERIVED = ("history.csv", "train.json", "metrics.json", "eval.json", "answers.json", "report.html", "config.json")
 ORIGINS = {"params": "`dvc repro` / `--params FILE`", "overrides": "`opd run` / `opd stage` with overrides"}
+
+
+def headline(result: dict, updates: int) -> dict:
+    """metrics.json, the DVC metrics file: the evaluate stage's record (`result`, the view's eval.json) cut
+    to a few numbers under short flat keys, one narrow `dvc exp show` / `dvc metrics diff` column each.
+    On the teacher's held-out text: KL(teacher||student) and top-1 agreement of policy 0 (`_before`) and
+    of the final policy (`_after`); the share of non-blank greedy answers after; `worse` when KL rose or
+    agreement fell. The numbers are the record's own (already rounded), so the file is as reproducible."""
+    t0, t1 = result["initial"]["on_teacher_text"], result["final"]["on_teacher_text"]
+    return {"kl_before": t0["kl"], "kl_after": t1["kl"], "agree_before": t0["top1_agreement"],
+            "agree_after": t1["top1_agreement"], "nonblank_after": result["final"]["answers"]["nonblank"],
+            "updates": updates, "worse": t1["kl"] > t0["kl"] or t1["top1_agreement"] < t0["top1_agreement"]}
+
+
+def worse_warning(metrics: dict | None) -> str | None:
+    """The one `warning:` line for a run that left the student further from the teacher than policy 0
+    (metrics.json's `worse`), naming both figures; None otherwise (and for a metrics.json without them)."""
+    m = metrics or {}
+    if m.get("worse") is not True:
+        return None
+    return (f"warning: the trained student is worse than policy 0 on held-out prompts: KL {m['kl_before']:.4f} -> "
+            f"{m['kl_after']:.4f}, agreement {m['agree_before']:.3f} -> {m['agree_after']:.3f} "
+            "(consider a lower optim.lr)")
 
 
 def config_digest(cfg) -> str:

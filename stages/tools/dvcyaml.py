@@ -29,13 +29,17 @@ PIPELINE = {
               "    # history.csv and metrics.json go to DVC's cache (not `cache: false`): an experiment's commit then\n"
               "    # carries them, so `dvc exp show` and `dvc plots diff` can compare experiments\n"
               f"    plots:\n      - {RUN}/history.csv:\n          x: step\n"),
+    # metrics.json holds a few headline numbers under flat keys (one narrow `dvc exp show` column each);
+    # the whole evaluation record is eval.json
     "evaluate": ("opd stage evaluate --params params.yaml", "stages.evaluate", [f"{RUN}/train.json"], [],
                  f"    metrics:\n      - {RUN}/metrics.json\n"
-                 f"    outs:\n      - {RUN}/answers.json:\n          cache: false\n"),
+                 f"    outs:\n      - {RUN}/eval.json:\n          cache: false\n"
+                 f"      - {RUN}/answers.json:\n          cache: false\n"),
     "export": ("opd stage export --params params.yaml", "stages.export", [f"{RUN}/train.json"], [],
                "    outs:\n      - artifacts/export/${run}:\n          cache: false\n"),
     "report": ("opd stage report --params params.yaml", "stages.report",
-               [f"{RUN}/train.json", f"{RUN}/history.csv", f"{RUN}/metrics.json", f"{RUN}/answers.json"], [],
+               [f"{RUN}/train.json", f"{RUN}/history.csv", f"{RUN}/metrics.json", f"{RUN}/eval.json",
+                f"{RUN}/answers.json"], [],
                f"    outs:\n      - {RUN}/report.html:\n          cache: false\n"),
 }
 

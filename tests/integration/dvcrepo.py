@@ -15,8 +15,9 @@ ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "
        "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid"}
 
 
-def sh(*cmd: str, cwd: Path, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
-    r = subprocess.run(list(cmd), cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+def sh(*cmd: str, cwd: Path, check: bool = True, timeout: int = 900, env: dict | None = None
+       ) -> subprocess.CompletedProcess:
+    r = subprocess.run(list(cmd), cwd=cwd, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)
     if check and r.returncode:
         raise AssertionError(f"{' '.join(cmd)} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r

@@ -1,13 +1,16 @@
 """DVC-native metrics and plots, for real: a temporary git repo holding a copy of the project,
-`dvc repro` on tiny models (the `repo` fixture, tests/integration/conftest.py), then `dvc plots show` (JSON and HTML), `dvc exp show` and
-`dvc plots diff` across an experiment run with `dvc exp run -S`."""
+`dvc repro` on tiny models (the `repo` fixture, tests/integration/conftest.py), then `dvc plots show`
+(JSON and HTML), `dvc exp show`, `dvc metrics diff` and `dvc plots diff` across an experiment run
+with `dvc exp run -S`: the tables as a reader sees them at 120 columns."""
 from __future__ import annotations
 
 import csv
 import json
+import re
+import shlex
 
 from dvcrepo import dvc
-from support import TINY, opd
+from support import ROOT, TINY, opd
 
 # what the issue asks history.csv to carry, one row per update
 HISTORY_COLUMNS = ["step", "kl", "loss", "grad_norm", "rollout_tokens_per_s", "score_tokens_per_s",
@@ -83,8 +86,10 @@ def test_exp_show_and_plots_diff_compare_experiments(repo):
     for name, rev in (("baseline", baseline), ("exp", exp)):
         m = rev["data"]["metrics"]["artifacts/runs/default/metrics.json"]["data"]
         p = rev["data"]["params"]["params.yaml"]["data"]
-        got[name] = (p["train"]["updates"], m["updates"], m["eval"]["final"]["on_teacher_text"]["kl"])
+        assert set(m) == set(METRICS) and all(isinstance(v, (int, float)) for v in m.values()), m  # flat
+        got[name] = (p["train"]["updates"], m["updates"], m["kl_after"])
     assert got["baseline"][:2] == (3, 3) and got["exp"][:2] == (4, 4)
+    assert_readable_at_120_columns(repo)
     # the README's --only-changed: the varied setting is a column, settings both share are not
     # (DVC applies --only-changed to the table, and so to its CSV form; --json stays complete)
     header = dvc("exp", "show", "--only-changed", "--csv", cwd=repo).stdout.splitlines()[0].split(",")
@@ -97,3 +102,40 @@ def test_exp_show_and_plots_diff_compare_experiments(repo):
     for v in values:
         steps.setdefault(v["rev"], set()).add(int(v["step"]))
     assert sorted(steps.values(), key=len) == [{1, 2, 3}, {1, 2, 3, 4}]
+
+
+# metrics.json's keys (stages/run/runview.py `headline`): one narrow column each
+METRICS = ["agree_after", "agree_before", "kl_after", "kl_before", "nonblank_after", "updates", "worse"]
+
+
+def readme_command(prefix: str) -> list[str]:
+    """The README's command starting `prefix`, as argv without `dvc`."""
+    (line,) = [c for c in re.findall(r"^dvc .*$", (ROOT / "README.md").read_text(), flags=re.M) if c.startswith(prefix)]
+    return shlex.split(line)[1:]
+
+
+def _width(text: str) -> int:
+    return max(len(line.rstrip()) for line in text.splitlines())
+
+
+def assert_readable_at_120_columns(repo):
+    """README's `dvc exp show` and `dvc metrics diff` after the baseline commit and one experiment: at
+    COLUMNS=120 no column is cut to `…` (rich cuts where no pager runs: --no-pager), the natural width
+    (what `less -S` would scroll past) is at most 120, the figures are under metrics.json's flat names,
+    and no row has a `!` (metrics DVC could not read for that revision, e.g. a baseline without them)."""
+    show = readme_command("dvc exp show")
+    assert show[:3] == ["exp", "show", "--only-changed"], show
+    cols = {"COLUMNS": "120"}
+    table = dvc(*show, cwd=repo, env=cols).stdout  # not a terminal: the table at its natural width
+    cut = dvc(*show, "--no-pager", cwd=repo, env=cols).stdout  # what a 120-column terminal shows
+    print(table)
+    assert _width(table) <= 120 and "…" not in cut, cut
+    header, *rows = [line for line in table.splitlines() if line.strip().strip("─")]  # (rules dropped)
+    assert "kl_after" in header.split() and "train.updates" in header.split() and "/" not in header, header
+    # workspace, the baseline commit, the experiment
+    assert len(rows) == 3 and rows[2].strip().startswith("└──") and not any("!" in r for r in rows), table
+    diff = dvc(*readme_command("dvc metrics diff"), cwd=repo, env=cols).stdout
+    full = dvc("metrics", "diff", "--all", cwd=repo, env=cols).stdout  # every figure, changed or not
+    print(diff, full, sep="\n")
+    assert "kl_after" in diff and _width(diff) <= _width(full) <= 120 and "…" not in full, full
+    assert {line.split()[1] for line in full.splitlines()[1:] if line.strip()} == set(METRICS), full

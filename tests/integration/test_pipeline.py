@@ -47,8 +47,9 @@ def test_run_produces_a_complete_run_view(work):
     st = json.loads((run / "step-0003" / "state.json").read_text())
     for phase in ("rollout", "score", "policy"):
         assert st[phase]["wall_s"] > 0 and st[phase]["tokens_per_s"] > 0 and "peak_rss_gib" in st[phase]
-    metrics = json.loads((run / "metrics.json").read_text())["eval"]
+    metrics = json.loads((run / "eval.json").read_text())  # the whole evaluation; metrics.json its headline
     assert metrics["initial"]["on_teacher_text"]["kl"] > 0 and metrics["final"]["on_teacher_text"]["tokens"] > 0
+    assert json.loads((run / "metrics.json").read_text())["kl_after"] == metrics["final"]["on_teacher_text"]["kl"]
     # what the answers look like, next to the numbers: shares in [0, 1], and the side-by-side
     # answers are the samples the evaluate stage stored (same decoded text, same prompts)
     for who in ("teacher", "initial", "final"):

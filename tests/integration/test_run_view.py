@@ -122,7 +122,7 @@ def test_a_killed_takeover_shows_none_of_the_old_run(base4, tmp_path):
     assert steps_on_disk(run) == ["step-0000"]  # step-0004 of the old run is gone, step 1 not linked yet
     view = json.loads((run / "view.json").read_text())
     assert view["steps"] == [0] and not view["complete"]
-    assert not (run / "history.csv").exists() and not (run / "metrics.json").exists()
+    assert not any((run / f).exists() for f in ("history.csv", "metrics.json", "eval.json", "answers.json"))
     opd("report", "default", "--out", str(tmp_path / "r.html"), cwd=w)
     assert "Incomplete run: 0 of 3 updates linked" in (tmp_path / "r.html").read_text()
     r = opd("stage", "export", cwd=w, check=False)

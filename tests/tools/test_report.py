@@ -8,6 +8,7 @@ descriptors 3 and 4, NUL-terminated JSON): standard library only, no port, no we
 from __future__ import annotations
 
 import base64
+import html
 import io
 import json
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from stages.run import runview
 from support import ROOT, TINY, opd
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
@@ -113,6 +115,7 @@ def render_in_chromium(page: Path, profile: Path, width: int = 1280, height: int
             broken: [...document.images].filter(i => !i.complete || i.naturalWidth === 0).map(i => i.alt),
             headings: [...document.querySelectorAll('h2')].map(h => h.textContent),
             tokens: document.querySelectorAll('.resp .tok').length,
+            first_line: document.body.innerText.trim().split('\\n')[0],
             height: document.documentElement.scrollHeight})"""}, session=sid)["result"]["value"]
         shot = b.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}, session=sid)
         problems = []
@@ -165,8 +168,8 @@ def test_report_is_one_self_contained_file(finished_run, tmp_path):
     for section in ("Config", "Training curves", "Time and memory per phase", "Trajectories", "Evaluation"):
         assert section in page
     run = finished_run / "artifacts" / "runs" / "default"
-    metrics = json.loads((run / "metrics.json").read_text())["eval"]
-    assert f"{metrics['final']['on_teacher_text']['kl']:.4g}" in page  # evaluation results
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert f"{metrics['kl_after']:.4g}" in page  # evaluation results
     assert "arch:tiny-llama-teacher" in page and "forward_kl_topk" in page  # config summary
     assert page.count('class="tok"') > 10  # token-level gap colouring
     # a run dir works as well as a run name
@@ -188,6 +191,7 @@ def test_report_of_a_partial_run(finished_run, tmp_path):
     part = tmp_path / "partial"
     shutil.copytree(finished_run / "artifacts" / "runs" / "default", part, symlinks=True)
     (part / "metrics.json").unlink()
+    (part / "eval.json").unlink()
     # the links are relative to the run view's place in artifacts/: repoint them at the store
     for link in list(part.glob("step-*/*")):
         if link.is_symlink():
@@ -197,7 +201,7 @@ def test_report_of_a_partial_run(finished_run, tmp_path):
     out = tmp_path / "p.html"
     opd("report", str(part), "--out", str(out), cwd=finished_run)
     page = out.read_text()
-    assert "No metrics.json yet" in page and page.count("data:image/png") >= 5
+    assert "No eval.json yet" in page and page.count("data:image/png") >= 5
 
 
 @needs_chromium
@@ -213,6 +217,9 @@ def test_report_renders_in_headless_chromium(finished_run, tmp_path):
     assert dom["headings"] == ["Config", "Training curves", "Time and memory per phase", "Trajectories",
                                "Evaluation (held-out)"]
     assert dom["tokens"] > 10
+    # what a reader sees first: the warning of a run that got worse, else the title
+    metrics = json.loads((finished_run / "artifacts" / "runs" / "default" / "metrics.json").read_text())
+    assert dom["first_line"] == (runview.worse_warning(metrics) or "opd report: default"), dom["first_line"]
     stats = blankness(res["png"])
     assert stats["size"][1] >= 900  # the full page, not just the viewport
     assert stats["colors"] > 50 and stats["non_white"] > 0.03, stats
@@ -235,15 +242,60 @@ def test_browser_check_catches_a_console_error_and_a_blocked_fetch(tmp_path):
 def test_eval_section_shows_answers_side_by_side_and_marks_blank_ones():
     from stages.report_html import eval_section
 
-    metrics = {"eval": {"initial": {"on_teacher_text": {"kl": 3.1, "top1_agreement": 0.28, "tokens": 9},
-                                    "answers": {"nonblank": 0.5, "distinct_bigrams": 0.4, "mean_tokens": 3.0}},
-                        "final": {"on_teacher_text": {"kl": 0.8, "top1_agreement": 0.62, "tokens": 9},
-                                  "answers": {"nonblank": 1.0, "distinct_bigrams": 0.5, "mean_tokens": 4.0}},
-                        "teacher": {"answers": {"nonblank": 1.0, "distinct_bigrams": 0.6, "mean_tokens": 5.0}}},
-               "updates": 2}
+    record = {"initial": {"on_teacher_text": {"kl": 3.1, "top1_agreement": 0.28, "tokens": 9},
+                          "answers": {"nonblank": 0.5, "distinct_bigrams": 0.4, "mean_tokens": 3.0}},
+              "final": {"on_teacher_text": {"kl": 0.8, "top1_agreement": 0.62, "tokens": 9},
+                        "answers": {"nonblank": 1.0, "distinct_bigrams": 0.5, "mean_tokens": 4.0}},
+              "teacher": {"answers": {"nonblank": 1.0, "distinct_bigrams": 0.6, "mean_tokens": 5.0}},
+              "updates": 2}  # the run view's eval.json
     answers = {"side_by_side": [{"prompt": "What is 2 plus 2?", "teacher": "2 + 2 = 4", "initial": "\n\n",
                                  "final": "<b>4</b>"}]}
-    page = eval_section(metrics, answers)
+    page = eval_section(record, answers)
     assert "(blank)" in page and "2 + 2 = 4" in page and "&lt;b&gt;4&lt;/b&gt;" in page  # escaped, not markup
     assert "50.0%" in page and "100.0%" in page  # non-blank shares of the initial and final answers
-    assert "initial.answers" not in page and "eval.updates" not in page and "updates" in page  # shown once
+    assert "initial.answers" not in page and "updates" in page  # shown once
+    # a view written before eval.json kept the record in metrics.json, under `eval`: the same tables
+    old = eval_section({"eval": {k: v for k, v in record.items() if k != "updates"}, "updates": 2}, answers)
+    assert old == page and "eval.updates" not in old
+
+
+def _first_visible_line(page: str) -> str:
+    body = re.sub(r"<[^>]+>", "\n", page.split("<body>", 1)[1])
+    return next(html.unescape(line.strip()) for line in body.splitlines() if line.strip())
+
+
+@pytest.mark.parametrize("worse", [True, False])
+def test_the_reports_first_line_says_when_the_run_got_worse(tmp_path, worse):
+    """The page's first visible text is the evaluate stage's warning for a run that left the student
+    worse than policy 0 (metrics.json's `worse`), and the title otherwise."""
+    from stages import report
+
+    run = tmp_path / "runs" / "w"
+    kl, agree = ((0.44, 1.14), (0.733, 0.588)) if worse else ((3.1, 0.75), (0.28, 0.65))
+    metrics = {"kl_before": kl[0], "kl_after": kl[1], "agree_before": agree[0], "agree_after": agree[1],
+               "nonblank_after": 1.0, "updates": 4, "worse": worse}
+    run.mkdir(parents=True)
+    (run / "metrics.json").write_text(json.dumps(metrics))
+    page = report.render(run)
+    want = ("warning: the trained student is worse than policy 0 on held-out prompts: KL 0.4400 -> 1.1400, "
+            "agreement 0.733 -> 0.588 (consider a lower optim.lr)") if worse else "opd report: w"
+    assert _first_visible_line(page) == want
+    assert page.count("warning:") == int(worse)
+
+
+def test_a_tiny_run_warns_exactly_when_it_got_worse(finished_run):
+    """End to end: metrics.json's flat figures, `worse` as they say, the stage's one stderr line (also
+    when the evaluation is reused) and the report's first line agree. (On CPU the tiny random pair
+    drifts apart, KL rising: the warning path; both paths are forced above.)"""
+    run = finished_run / "artifacts" / "runs" / "default"
+    m = json.loads((run / "metrics.json").read_text())
+    ev = json.loads((run / "eval.json").read_text())
+    assert m == runview.headline(ev, 3)
+    assert m["worse"] == (m["kl_after"] > m["kl_before"] or m["agree_after"] < m["agree_before"])
+    r = opd("stage", "evaluate", *TINY, cwd=finished_run)
+    assert "(published by an earlier run: reused)" in r.stdout
+    warned = [line for line in r.stderr.splitlines() if line.startswith("warning: the trained student")]
+    assert warned == ([runview.worse_warning(m)] if m["worse"] else [])
+    opd("report", "default", "--out", str(finished_run / "first-line.html"), cwd=finished_run)
+    first = _first_visible_line((finished_run / "first-line.html").read_text())
+    assert first == (runview.worse_warning(m) or "opd report: default")

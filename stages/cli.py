@@ -15,6 +15,7 @@ Tools:
     opd benchmark tooluse CONFIG        tool-use arms x seeds, equal update budget (conf/benchmark/*.yaml)
     opd benchmark systems [...]         ours and the peers side by side (benchmarks/systems.py, GPU)
     opd doctor [overrides]              versions, CUDA, embedded model, artifacts dir; exit 1 on a blocker
+    opd store du|gc [--yes]             the store's size per stage kind and per run; remove what no run reaches
     opd plan [overrides] [--out F]      weight-free memory plan per phase and placement; --probe measures (CUDA)
     opd plan --profile P --config C     a verl v0.8 OPD config mapped onto ours (+ memory plan) -> plan.json
     opd profiles list|show NAME         the verl OPD profiles; `opd compat explain FIELD|table`: the mapping
@@ -28,12 +29,11 @@ import signal
 import sys
 from pathlib import Path
 
+from .run.pipeline import STAGES, STEPS
 from .tools.process import process_settings, quiet_libraries
 
 from .errors import EXIT_NO_SPACE, Interrupted, UserError, install_signal_handlers
 
-STAGES = ("prepare", "train", "evaluate", "export", "report")  # dvc.yaml's stages
-STEPS = ("rollout", "score", "update")  # the per-step stages inside train
 # Old spellings: a one-line error naming the command that does the job now.
 MOVED = {
     ("export",): "opd stage export [--out DIR] [--merged] | opd stage export --verl OUT",
@@ -219,6 +219,12 @@ def cmd_dvc_yaml(args) -> None:
     dvcyaml.main(args)
 
 
+def cmd_store(args) -> None:
+    from .tools import storeview
+
+    storeview.main(args)
+
+
 def cmd_doctor(args) -> None:
     from .tools import doctor
 
@@ -286,6 +292,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_cfg(sub.add_parser("doctor", help="check this machine: versions, CUDA, embedded model, artifacts dir"))
     p.add_argument("--format", choices=("text", "json"), default="text", help="json: for scripts (default text)")
     p.set_defaults(fn=cmd_doctor)
+    p = sub.add_parser("store", help="the store: size per stage kind and per run (du), remove what no run reaches (gc)")
+    ssub = p.add_subparsers(dest="action", required=True)
+    for name, what in (("du", "size per stage kind and in total, and what each run view reaches"),
+                       ("gc", "list the stages no run view reaches; remove them with --yes")):
+        q = ssub.add_parser(name, help=what)
+        q.add_argument("--artifacts", help="artifacts dir (default: params.yaml's, else ./artifacts)")
+        q.add_argument("--format", choices=("text", "json"), default="text", help="json: for scripts (default text)")
+        if name == "gc":
+            q.add_argument("--yes", action="store_true", help="remove them (without it: a dry run that lists them)")
+            q.add_argument("--min-age", type=float, default=10, metavar="MIN", help="keep stages published in the "
+                           "last MIN minutes (a run that is starting may not name them yet; default 10)")
+        q.set_defaults(fn=cmd_store)
     p = sub.add_parser("dvc-yaml", help="write dvc.yaml from the stages' declared reads (--check: compare only)")
     p.add_argument("--check", action="store_true", help="exit 1 if dvc.yaml differs from the declarations")
     p.add_argument("--file", help="the dvc.yaml to write or check (default: the checkout's)")

@@ -4,6 +4,11 @@ provenance manifest and, with --merged, a standalone model with the LoRA merged 
     model = AutoPeftModelForCausalLM.from_pretrained("artifacts/export/<run>/adapter")  # any cwd
     model = AutoModelForCausalLM.from_pretrained("artifacts/export/<run>/merged")       # --merged
 
+An adapter over a Hugging Face Hub model names it by id and commit, so the export loads wherever it
+is moved; over any other base (pruned, embedded, a local dir) it names base/ by its absolute path,
+since PEFT resolves a relative one against the cwd: after a move, load it over the moved base/
+(manifest.json says how).
+
 What is exported is what the run view records (stages/run/runview.py): the final policy of the run
 that made `artifacts/runs/<run>/`, never one computed here from the config given (export never
 trains). Every file is a copy (a reflink where the filesystem has them): nothing in the export is
@@ -18,7 +23,8 @@ import os
 import shutil
 from pathlib import Path
 
-from .run import files, reproducible, runview
+from .run import files, identity, reproducible, runview
+from .run.config import ModelCfg
 from .weights import models
 from .errors import UserError
 from .run.store import fault, write_json
@@ -98,20 +104,28 @@ def _export(sess: Session, rec: dict, pol: Path, out: Path, merged: bool) -> Non
     files.copy_tree(base, tmp / "base")
     files.copy_tree(pol / "adapter", tmp / "adapter")
     files.copy_tree(base, tmp / "adapter", TOKENIZER_FILES)  # AutoTokenizer / AutoPeftModel read it from here
-    # absolute: PEFT resolves it against the cwd (AutoPeftModelForCausalLM.from_pretrained(path) from any
-    # directory); the manifest says how to load a moved export
-    files.rebase_adapter(tmp / "adapter", str(out.resolve() / "base"))
+    config = json.loads((sess.run_dir / "config.json").read_text())
+    hub = hub_base(config["student"], rec["digests"]["prepared"]["student"])
+    if hub is not None:  # the base is a Hugging Face snapshot: named by id and commit, the export may move
+        files.rebase_adapter(tmp / "adapter", hub[0])
+        _set_revision(tmp / "adapter", hub[1])
+    else:
+        # absolute: PEFT resolves a relative path against the cwd, not the adapter dir, so none would load
+        # from any directory; after a move, the adapter loads over the moved base/ (the manifest says how)
+        files.rebase_adapter(tmp / "adapter", str(out.resolve() / "base"))
     if merged:
         _merge(tmp, rec["runtime"]["dtype"])
     sums = {str(p.relative_to(tmp)): files.sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-    config = json.loads((sess.run_dir / "config.json").read_text())
     write_json(tmp / "manifest.json", {
         "run": rec["run"], "versions": models.env_versions(), "stack": reproducible.stack(), "device": rec["runtime"]["device"],
         "dtype": f"torch.{rec['runtime']['dtype']}", "student": config["student"]["name"],
         "teacher": config["teacher"]["name"],
         "digests": {"prepared": rec["digests"]["prepared"], "initial_policy": rec["digests"]["initial_policy"],
                     "final_policy": rec["digests"]["final_policy"], "steps": rec["digests"]["steps"]},
-        "load": {"adapter": "AutoPeftModelForCausalLM.from_pretrained('adapter') (its base path is absolute: "
+        "load": {"adapter": f"AutoPeftModelForCausalLM.from_pretrained('adapter') (its base is {hub[0]!r} at "
+                            f"revision {hub[1]}, from the Hugging Face cache or hub: this dir may move; "
+                            "base/ holds the same model)" if hub is not None else
+                            "AutoPeftModelForCausalLM.from_pretrained('adapter') (its base path is absolute: "
                             "after moving this dir, PeftModel.from_pretrained(AutoModelForCausalLM."
                             "from_pretrained('base'), 'adapter'))",
                  **({"merged": "AutoModelForCausalLM.from_pretrained('merged')"} if merged else {})},
@@ -119,6 +133,46 @@ def _export(sess: Session, rec: dict, pol: Path, out: Path, merged: bool) -> Non
     })
     fault("export.before_rename", tmp)
     files.swap_into_place(tmp, out)
+
+
+def hub_base(student: dict, digest: str) -> tuple[str, str] | None:
+    """(Hugging Face id, commit) when the run's student base is exactly a cached Hub snapshot's model:
+    named by a Hub id (not a local dir, the embedded model or an architecture), every layer kept, and
+    the snapshot the id resolves to now hashes to the run's student model (`identity_of`, as prepare
+    made it). An adapter naming it loads from any directory wherever the export moves; any other base
+    (pruned, a local dir, the cache moved on to another commit) is only the export's own base/."""
+    try:
+        mcfg = ModelCfg(**student)
+    except TypeError:  # a config of another version: not provably the same base
+        return None
+    if mcfg.name == "embedded" or mcfg.name.startswith("arch:") or mcfg.init != "pretrained" \
+            or Path(mcfg.name).is_dir():
+        return None
+    from huggingface_hub import snapshot_download
+
+    try:
+        snap = Path(snapshot_download(mcfg.name, revision=mcfg.revision, local_files_only=True))
+        full = identity.model(models.identity_of(dataclasses.replace(mcfg, keep_layers=0, quant="none"), "student"))
+        layers = json.loads((snap / "config.json").read_text()).get("num_hidden_layers")
+    except Exception:  # noqa: BLE001 - not in the cache (any more), unreadable: the export's own base
+        return None
+    if not mcfg.keep_layers:
+        whole = full
+    elif mcfg.keep_layers == layers:  # pruning to every layer keeps the model as it is
+        whole = identity.pruned_model(mcfg.keep_layers, full)
+    else:
+        return None
+    return (mcfg.name, snap.name) if whole == digest else None
+
+
+def _set_revision(adapter_dir: Path, revision: str) -> None:
+    """The base's revision in an exported adapter's config (PEFT loads the base at it); the file is
+    replaced, never written through."""
+    f = adapter_dir / "adapter_config.json"
+    acfg = json.loads(f.read_text())
+    acfg["revision"] = revision
+    f.unlink()
+    f.write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
 
 
 def _merge(tmp: Path, dtype: str) -> None:

@@ -6,6 +6,7 @@ import pytest
 
 from stages import cli
 from stages.tools import dvcyaml
+from stages.run import pipeline
 
 
 @pytest.mark.parametrize("argv,new", [
@@ -23,7 +24,9 @@ def test_old_spellings_name_the_new_one(argv, new, capsys):
 
 
 def test_stage_names_are_the_dvc_stages_and_the_steps_of_train():
-    assert set(cli.STAGES) == set(dvcyaml.PIPELINE)
+    """One declaration (stages/run/pipeline.py) for dvc.yaml's stages and `opd stage`'s names."""
+    assert cli.STAGES is pipeline.STAGES and dvcyaml.PIPELINE is pipeline.PIPELINE
+    assert cli.STAGES == ("prepare", "train", "evaluate", "export", "report")
     assert cli.STEPS == ("rollout", "score", "update")
     stage = cli.build_parser()._subparsers._group_actions[0].choices["stage"]
     assert set(stage._actions[1].choices) == set(cli.STAGES) | set(cli.STEPS)
@@ -37,7 +40,7 @@ def test_every_dvc_command_is_an_opd_stage():
 def test_each_verb_once():
     verbs = set(cli.build_parser()._subparsers._group_actions[0].choices)
     assert {"stage", "run", "params", "tooleval", "benchmark", "report", "inspect", "plan", "doctor", "dvc-yaml",
-            "profiles", "compat", "data"} == verbs
+            "profiles", "compat", "data", "store"} == verbs
     for old, _ in cli.MOVED.items():
         assert len(old) > 1 or old[0] not in verbs
 

@@ -17,8 +17,10 @@ NOISE = re.compile(r"Warning|warn\(|Failed to load|kernels-community|Could not f
 def test_a_run_prints_no_third_party_notice(work):
     r = opd("run", *TINY, "train.updates=2", cwd=work)
     assert not NOISE.search(r.stderr), r.stderr
-    # what is left on stderr is ours: one line per step (stderr is not a terminal here: no bar)
-    assert [ln.split(":")[0] for ln in r.stderr.splitlines()] == ["step 1/2", "step 2/2"], r.stderr
+    # what is left on stderr is ours: one line per step (stderr is not a terminal here: no bar), and
+    # evaluate's one warning when the student ends worse than policy 0 (random tiny models may)
+    ours = [ln for ln in r.stderr.splitlines() if not ln.startswith("warning: the trained student is worse")]
+    assert [ln.split(":")[0] for ln in ours] == ["step 1/2", "step 2/2"], r.stderr
     assert "train: 2 steps to compute" in r.stdout
     v = opd("stage", "export", "--merged", "--verbose", cwd=work)  # --verbose: the libraries speak again
     # which library speaks depends on the machine (a bar, bitsandbytes' kernel notice, a FutureWarning)

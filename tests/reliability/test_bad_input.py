@@ -102,20 +102,20 @@ def empty_model_dir(w):
 
 
 def other_tokenizer(w):
-    """The SmolLM2 tokenizer with another chat template: same vocabulary, different fingerprint."""
+    """The SmolLM2 tokenizer with ids 100 and 101 trading tokens: another id -> token mapping (a chat
+    template alone differing is only noted: the student's template formats every prompt)."""
     src = w.artifacts / "store" / "model" / _prepared(w)["teacher"]
     dst = w.dir / "in" / "other_tok"
     dst.mkdir(parents=True)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (src / f).exists():
             shutil.copy(src / f, dst / f)
-    tpl = dst / "chat_template.jinja"
-    if tpl.exists():
-        tpl.write_text(tpl.read_text().replace("<|im_start|>", "<|im_start|> "))
-    else:
-        c = json.loads((dst / "tokenizer_config.json").read_text())
-        c["chat_template"] = c["chat_template"].replace("<|im_start|>", "<|im_start|> ")
-        (dst / "tokenizer_config.json").write_text(json.dumps(c))
+    (dst / "tokenizer.json").chmod(0o644)
+    j = json.loads((dst / "tokenizer.json").read_text())
+    v = j["model"]["vocab"]
+    inv = {i: t for t, i in v.items()}
+    v[inv[100]], v[inv[101]] = 101, 100
+    (dst / "tokenizer.json").write_text(json.dumps(j))
 
 
 def _rows(texts) -> list[dict]:
@@ -231,7 +231,7 @@ ROWS = [
         r"in/broken_teacher", truncated_teacher),
     Row("corrupt model: config.json not JSON", run("teacher.name=in/badcfg_teacher", "teacher.init=pretrained"),
         r"in/badcfg_teacher", bad_config_teacher),
-    Row("tokenizer mismatch", run("teacher.tokenizer=in/other_tok", "run=bad"), r"tokenizer mismatch",
+    Row("tokenizer mismatch", run("teacher.tokenizer=in/other_tok", "run=bad"), r"tokenizer mismatch.*id 100",
         other_tokenizer, adds=True),
     Row("vocab mismatch", run("teacher.name=in/wide_teacher", "teacher.init=pretrained", "run=bad"),
         r"vocab.*49152.*49216", wide_vocab_teacher, adds=True),

@@ -129,6 +129,9 @@ def cmd_stage(args) -> None:
     elif name == "train":
         train.main(sess)
     elif name == "evaluate":
+        from .run import runview
+
+        runview.check_same_run(sess, "evaluating it")  # before training for it, not after
         train.ensure_policy(sess, sess.cfg.train.updates)
         evaluate.main(sess)
     else:  # one step: the earlier steps are published first
@@ -301,8 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--format", choices=("text", "json"), default="text", help="json: for scripts (default text)")
         if name == "gc":
             q.add_argument("--yes", action="store_true", help="remove them (without it: a dry run that lists them)")
-            q.add_argument("--min-age", type=float, default=10, metavar="MIN", help="keep stages published in the "
-                           "last MIN minutes (a run that is starting may not name them yet; default 10)")
+            q.add_argument("--min-age", type=float, default=1440, metavar="MIN", help="keep stages published in "
+                           "the last MIN minutes: a running `opd stage STEP` or a starting run may not name "
+                           "them in a view yet (default 1440, a day)")
         q.set_defaults(fn=cmd_store)
     p = sub.add_parser("dvc-yaml", help="write dvc.yaml from the stages' declared reads (--check: compare only)")
     p.add_argument("--check", action="store_true", help="exit 1 if dvc.yaml differs from the declarations")

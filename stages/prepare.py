@@ -69,9 +69,13 @@ def check_prompts(t: pa.Table, key: str, tok, limit: int, source: str, truncatio
 
 
 # The teacher scores the student's token ids, so a pair must agree on what each id is (the id -> token
-# mapping: vocabulary and added tokens) and on the special tokens; everything else a tokenizer holds
+# mapping: vocabulary and added tokens) and on the end-of-text token; everything else a tokenizer holds
 # turns text into ids or ids back into text, which only the student's tokenizer ever does (below).
-SPECIAL_TOKENS = ("bos", "eos", "pad", "unk")
+# The student's tokenizer makes every id the teacher reads, so the teacher's bos, pad and unk never
+# change a number (only noted); its eos does: evaluation stops the teacher's greedy answers at the
+# student's eos, which must be the teacher's end of text too.
+REFUSED_SPECIAL = ("eos",)
+NOTED_SPECIAL = ("bos", "pad", "unk")
 SETTINGS = ("model_max_length", "padding_side", "truncation_side", "clean_up_tokenization_spaces")
 # tokenizer.json's sections besides the vocabulary: how text is split and merged into ids, and decoded
 BACKEND = ("normalizer", "pre_tokenizer", "post_processor", "decoder", "merges", "added_tokens")
@@ -92,11 +96,12 @@ def tokenizer_differences(student, teacher) -> tuple[str | None, list[str]]:
         size = f"vocab sizes differ (student {len(s)}, teacher {len(t)}); " if len(s) != len(t) else ""
         shown = "; ".join(f"id {i}: student {s.get(i)!r}, teacher {t.get(i)!r}" for i in bad[:SHOWN])
         return f"{size}{len(bad)} id(s) map to different tokens ({shown}{'; ...' if len(bad) > SHOWN else ''})", []
-    for name in SPECIAL_TOKENS:
+    for name in REFUSED_SPECIAL:
         a, b = _special(student, name), _special(teacher, name)
         if a != b:
             return f"{name} token differs (student {a[0]!r}, id {a[1]}; teacher {b[0]!r}, id {b[1]})", []
-    other = ["chat_template"] if _template(student) != _template(teacher) else []
+    other = [f"{name} token" for name in NOTED_SPECIAL if _special(student, name) != _special(teacher, name)]
+    other += ["chat_template"] if _template(student) != _template(teacher) else []
     other += [k for k in SETTINGS if getattr(student, k, None) != getattr(teacher, k, None)]
     if sorted(map(str, getattr(student, "all_special_tokens", []))) != \
             sorted(map(str, getattr(teacher, "all_special_tokens", []))):
@@ -158,7 +163,8 @@ def check_teacher_source(sess: Session, student: str) -> None:
     cfg = sess.cfg
     src = _source_dir(cfg.teacher)
     sdir = sess.store.path("model", student)
-    if src is None or not (src / "tokenizer_config.json").is_file() or not (sdir / "tokenizer_config.json").is_file():
+    has_tokenizer = lambda d: any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))  # noqa: E731
+    if src is None or not has_tokenizer(src) or not has_tokenizer(sdir):
         return
     try:
         vocab_t = json.loads((src / "config.json").read_text()).get("vocab_size")

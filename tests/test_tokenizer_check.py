@@ -58,6 +58,13 @@ def other_eos(d: Path) -> None:
     (d / "tokenizer_config.json").write_text(json.dumps(c))
 
 
+def other_pad(d: Path) -> None:
+    """A teacher with another pad token (fine-tuning often sets one): its pad is never used here."""
+    c = json.loads((d / "tokenizer_config.json").read_text())
+    c["pad_token"] = "<|endoftext|>"
+    (d / "tokenizer_config.json").write_text(json.dumps(c))
+
+
 def longer_context(d: Path) -> None:
     c = json.loads((d / "tokenizer_config.json").read_text())
     c["model_max_length"] = 4096
@@ -76,6 +83,9 @@ def test_differences_are_sorted_into_what_changes_a_score_and_what_does_not(toke
         (None, ["chat_template"])
     assert tokenizer_differences(base, load(variant(tokenizer_src, tmp_path / "m", longer_context))) == \
         (None, ["model_max_length"])
+    pad = load(variant(tokenizer_src, tmp_path / "p", other_pad))
+    assert base.pad_token != pad.pad_token  # (the variant does differ there)
+    assert tokenizer_differences(base, pad) == (None, ["pad token"])
     bad, _ = tokenizer_differences(base, load(variant(tokenizer_src, tmp_path / "s", swapped_ids)))
     t100, t101 = (base.convert_ids_to_tokens(i) for i in (100, 101))
     assert bad == f"2 id(s) map to different tokens (id 100: student {t100!r}, teacher {t101!r}; " \

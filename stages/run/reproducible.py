@@ -11,9 +11,10 @@ for a whole run (README, "Guarantees").
 
 MKL reads MKL_CBWR once, when it first initialises (its first BLAS call, which torch or a library
 importing it may make at any time after `import torch`), never again. So the variable must be in the
-environment before torch is imported: `stages/__init__.py` calls `set_env()` first thing, which covers
-`opd`, `python -m stages...`, DVC's `opd` subprocesses (they inherit the environment) and anything
-that imports this package before torch. What MKL actually runs with is read back from MKL itself
+environment before torch is imported: `opd`'s entry point calls `set_env()` first thing
+(stages/tools/process.py, `process_settings()`), which covers `opd`, DVC's `opd` subprocesses (they
+inherit the environment), and the tests and benchmarks, which call it before importing torch; code
+that uses the package as a library calls it too, or runs without strict mode (one warning, below). What MKL actually runs with is read back from MKL itself
 (`mode()`), not from the environment: that is what goes into CPU stage identity.
 
 A user's own MKL_CBWR is kept (they may want COMPATIBLE, the same code path on every x86 CPU), but
@@ -88,10 +89,10 @@ def check() -> str:
     m = mode()
     if m != "none" and not thread_independent(m):
         env = os.environ.get("MKL_CBWR")
-        why = f"MKL_CBWR={env!r} in the environment" if env != MODE else "MKL initialised before stages was imported"
+        why = f"MKL_CBWR={env!r} in the environment" if env != MODE else "MKL initialised before process_settings() ran"
         print(f"warning: MKL runs without strict reproducibility (mode {m}: {why}); CPU results depend "
-              f"on the thread count, which joins every CPU stage's identity (set MKL_CBWR={MODE} "
-              "before torch is imported for thread-independent results)", file=sys.stderr)
+              f"on the thread count, which joins every CPU stage's identity (call stages.tools.process."
+              f"process_settings(), or set MKL_CBWR={MODE}, before torch is imported for thread-independent results)", file=sys.stderr)
     return m
 
 

@@ -13,8 +13,11 @@ A run reaches, from its view `artifacts/runs/<run>/` (stages/run/runview.py):
 What no run reaches is unreachable: stages of deleted or replaced views, tool caches that no view
 names (probe, tooleval, the benchmark's continued SFT), damaged dirs the store set aside
 (`.corrupt-*`) and what a killed gc left (`.gc-*`). `gc` removes those only with `--yes`, and keeps
-any published in the last `--min-age` minutes (a run that is starting may have published them
-before its view names them). It refuses while a view's record cannot be read. DVC experiments
+any published in the last `--min-age` minutes (default a day): a run that is starting may have
+published them before its view names them, and `opd stage STEP --step K`, `opd stage evaluate`,
+`tooleval` and `export --verl` write no view at all, so what they published is reached only through a
+run view that names it later. Readers take no lock: gc while such a command runs over stages older
+than the window can make it fail (a traceback, never a wrong result: everything is content-addressed). It refuses while a view's record cannot be read. DVC experiments
 (`dvc exp run`) share one view, so only the stages of the one that made it last are reached: an
 experiment applied again later recomputes the rest (to the same bytes).
 

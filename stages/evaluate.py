@@ -14,6 +14,12 @@ view eval.json (that record, less the answer text), metrics.json (a few headline
 flat keys: DVC metrics, one narrow `dvc exp show` column each; stages/run/runview.py `headline`) and
 answers.json (the side-by-side answers, text kept out of the metrics table). A trained student further
 from the teacher than policy 0 on held-out text is one `warning:` line, and `worse` in metrics.json.
+
+Agreement measures imitation, not correctness: held-out rows with a ground truth also score each of
+the three greedy answers with the row's checker (stages/rows/checkers.py) into task accuracy per
+role (`task`: correct, n, accuracy, Wilson 95% interval, checker), and list the prompts that flipped
+between the initial and the final student (`flips`: gained, lost). The answers are the ones already
+generated for every held-out prompt, so scoring adds no generation.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ import torch
 from .engine import lmhead, sampler
 from .engine.sampling import Sampling
 from .run import runview
-from .rows import tables
+from .rows import checkers, rewards, tables
 from .rows.prompts import prompt_ids
 from .run.store import write_json
 from .session import Session, phase
@@ -53,6 +59,10 @@ def measure(sess: Session, student, prompts, responses) -> dict:
 
 
 SIDE_BY_SIDE = 4  # held-out prompts shown with all three answers in answers.json and the report
+ROLES = ("teacher", "initial", "final")
+# samples.parquet: every greedy answer, with the checker's credit and name where its row has a ground truth
+SAMPLES = pa.schema([("policy", pa.string()), ("prompt", pa.string()), ("response", pa.string()),
+                     ("score", pa.float64()), ("checker", pa.string())])
 
 
 def answers(tok, responses: list[list[int]]) -> dict:
@@ -66,6 +76,27 @@ def answers(tok, responses: list[list[int]]) -> dict:
             "mean_tokens": round(sum(map(len, responses)) / max(len(responses), 1), 3)}
 
 
+def task(rows: list[dict], text: dict[str, list[str]], prompt_key: str = "prompt") -> tuple[dict, dict | None]:
+    """Each role's decoded greedy answers (`text[role][i]` answers rows[i], a held-out row) scored by
+    the row's checker: ({role: [Score, or None where the row has no ground truth]}, the record), the
+    record None when no row has a ground truth, else {"accuracy": {role: checkers.accuracy},
+    "flips": {"gained": [...], "lost": [...]}}: gained = wrong before (initial) and right after
+    (final), lost = the reverse, each with the prompt, the truth, both answers and the checker."""
+    scores = {who: [checkers.score(t, r) for t, r in zip(text[who], rows)] for who in ROLES}
+    kept = [i for i, s in enumerate(scores["teacher"]) if s is not None]  # (None iff the row has no truth)
+    if not kept:
+        return scores, None
+    flips: dict = {"gained": [], "lost": []}
+    for i in kept:
+        before, after = scores["initial"][i], scores["final"][i]
+        if before.correct != after.correct:
+            flips["gained" if after.correct else "lost"].append({
+                "prompt": _user_text(rows[i][prompt_key]), "truth": rewards.ground_truth(rows[i]),
+                "initial": text["initial"][i], "final": text["final"][i], "checker": after.checker})
+    return scores, {"accuracy": {who: checkers.accuracy([scores[who][i] for i in kept]) for who in ROLES},
+                    "flips": flips}
+
+
 def run(sess: Session) -> dict:
     cfg, K = sess.cfg, sess.cfg.train.updates
     dig = sess.chain.evaluate()
@@ -75,39 +106,46 @@ def run(sess: Session) -> dict:
         tok = sess.tokenizer()
         ev = tables.read(sess.store.path("prompts", sess.prepared["prompts"]) / "eval.parquet")
         prompts = [prompt_ids(tok, m, cfg.data) for m in ev.column(cfg.data.prompt_key).to_pylist()]
+        held = ev.to_pylist()
+        checkers.require(held)  # a checker that cannot run fails before the answers are generated
         state: dict = {"stage": "evaluate", "digest": dig}
         with phase(sess.device, state) as ph:
             engine = sampler.make(sess.teacher(), cfg.rollout.cuda_graphs, sess.compiled_decode, sess.store.flush)
             teacher_resp = greedy(sess, sess.teacher(), engine, prompts)
-            result, rows, said = {"teacher": {"answers": answers(tok, teacher_resp)}}, [], {"teacher": teacher_resp}
+            result, said = {"teacher": {"answers": answers(tok, teacher_resp)}}, {"teacher": teacher_resp}
             for name, k in (("initial", 0), ("final", K)):
                 student = sess.use_policy(k)
                 own = said[name] = greedy(sess, student, sess.engine(), prompts)
                 result[name] = {"on_teacher_text": measure(sess, student, prompts, teacher_resp),
                                 "on_own_text": measure(sess, student, prompts, own), "answers": answers(tok, own)}
-                rows += [{"policy": name, "prompt": tok.decode(p), "response": tok.decode(r)}
-                         for p, r in zip(prompts, own)]
             ph["tokens"] = sum(map(len, teacher_resp))
-        rows += [{"policy": "teacher", "prompt": tok.decode(p), "response": tok.decode(r)}
-                 for p, r in zip(prompts, teacher_resp)]
+        text = {who: [tok.decode(r, skip_special_tokens=True) for r in said[who]] for who in ROLES}
+        scores, record = task(held, text, cfg.data.prompt_key)
+        if record is not None:  # (a record without task keys where no held-out row has a ground truth)
+            for who in ROLES:
+                result[who]["task"] = record["accuracy"][who]
+            result["flips"] = record["flips"]
+        rows = [{"policy": who, "prompt": tok.decode(p), "response": tok.decode(r),
+                 "score": s.value if s else None, "checker": s.checker if s else None}
+                for who in ("initial", "final", "teacher") for p, r, s in zip(prompts, said[who], scores[who])]
         result["side_by_side"] = [
-            {"prompt": _user_text(ev.column(cfg.data.prompt_key)[i].as_py()),
-             **{who: tok.decode(said[who][i], skip_special_tokens=True) for who in ("teacher", "initial", "final")}}
+            {"prompt": _user_text(ev.column(cfg.data.prompt_key)[i].as_py()), **{who: text[who][i] for who in ROLES}}
             for i in range(min(SIDE_BY_SIDE, len(prompts)))]
         for view in ("on_teacher_text", "on_own_text"):
             a, b = result["initial"][view]["kl"], result["final"][view]["kl"]
             result[f"kl_reduction_{view}"] = round((a - b) / a, 6) if a > 0 else 0.0
         write_json(tmp / "eval.json", result)
-        tables.write(tmp / "samples.parquet", pa.Table.from_pylist(rows), {"digest": dig})
+        tables.write(tmp / "samples.parquet", pa.Table.from_pylist(rows, SAMPLES), {"digest": dig})
         write_json(tmp / "state.json", state)
 
     d, _ = sess.store.ensure("evaluate", dig, produce)
     result = json.loads((d / "eval.json").read_text())
     # the run view's copies: the whole record (the store's eval.json is not edited), the headline numbers
-    # DVC compares, the answers
-    write_json(sess.run_dir / "eval.json", {"updates": K, **{k: v for k, v in result.items() if k != "side_by_side"}})
+    # DVC compares, the answers (the side-by-side ones and the flipped prompts: text, kept out of eval.json)
+    prose = ("side_by_side", "flips")
+    write_json(sess.run_dir / "eval.json", {"updates": K, **{k: v for k, v in result.items() if k not in prose}})
     write_json(sess.run_dir / "metrics.json", runview.headline(result, K))
-    write_json(sess.run_dir / "answers.json", {"updates": K, "side_by_side": result["side_by_side"]})
+    write_json(sess.run_dir / "answers.json", {"updates": K, **{k: result[k] for k in prose if k in result}})
     return result
 
 
@@ -126,9 +164,18 @@ def main(sess: Session) -> dict:
     a = r["initial"]["on_teacher_text"]["top1_agreement"], r["final"]["on_teacher_text"]["top1_agreement"]
     print(f"evaluate: held-out KL(teacher||student) on teacher text {t[0]:.4f} -> {t[1]:.4f}; "
           f"on own text {o[0]:.4f} -> {o[1]:.4f}; top-1 agreement on teacher text {a[0]:.3f} -> {a[1]:.3f}; "
-          f"non-blank answers {r['final']['answers']['nonblank']:.0%}"
+          f"non-blank answers {r['final']['answers']['nonblank']:.0%}" + _accuracy_note(r)
           + (" (published by an earlier run: reused)" if reused else ""))
     warning = runview.worse_warning(runview.headline(r, sess.cfg.train.updates))
     if warning:
         print(warning, file=sys.stderr)
     return r
+
+
+def _accuracy_note(r: dict) -> str:
+    """The summary line's task accuracy, where the record has one."""
+    if "task" not in r["final"]:
+        return ""
+    t = {who: r[who]["task"] for who in ROLES}
+    return (f"; task accuracy ({t['final']['checker']}, n={t['final']['n']}) {t['initial']['accuracy']:.3f} -> "
+            f"{t['final']['accuracy']:.3f} (teacher {t['teacher']['accuracy']:.3f})")

@@ -167,6 +167,25 @@ def eval_section(record: dict | None, answers: dict | None = None) -> str:
                             [[_esc(w), _pct(ev[w]["answers"].get("nonblank")),
                               _num(ev[w]["answers"].get("distinct_bigrams")), _num(ev[w]["answers"].get("mean_tokens"))]
                              for w in who], "num"))
+    # task accuracy where the held-out rows have a ground truth: correctness next to the imitation figures
+    scored = [w for w in ("teacher", "initial", "final") if isinstance(ev.get(w), dict) and "task" in ev[w]]
+    if scored:
+        label = {"teacher": "teacher", "initial": "student before", "final": "student after"}
+        parts.append(_table(["task accuracy of", "correct / n", "accuracy", "95% interval (Wilson)", "checker"],
+                            [[_esc(label[w]), f"{_num(t.get('correct'))} / {_num(t.get('n'))}", _pct(t.get("accuracy")),
+                              " – ".join(_pct(x) for x in t.get("ci95") or []), f"<code>{_esc(t.get('checker'))}</code>"]
+                             for w in scored for t in [ev[w]["task"]]], "num"))
+    flips = (answers or {}).get("flips") or ev.get("flips") or {}
+    flipped = [(d, r) for d in ("gained", "lost") for r in flips.get(d) or []]
+    if scored or flipped:
+        parts.append(f"<h3>Held-out prompts that flipped: {len(flips.get('gained') or [])} wrong before and right "
+                     f"after, {len(flips.get('lost') or [])} right before and wrong after</h3>")
+    if flipped:
+        arrow = {"gained": "wrong → right", "lost": "right → wrong"}
+        parts.append(_table(["flip", "prompt", "truth", "student before", "student after"],
+                            [[_esc(arrow[d]), _esc(r.get("prompt")), f"<code>{_esc(r.get('truth'))}</code>"]
+                             + [f'<span class="resp">{_esc(r.get(k) or "")}</span>' for k in ("initial", "final")]
+                             for d, r in flipped]))
     side = (answers or {}).get("side_by_side") or []
     if side:
         parts.append("<h3>Held-out prompts, answers side by side (greedy)</h3>")
@@ -175,7 +194,7 @@ def eval_section(record: dict | None, answers: dict | None = None) -> str:
                                                     else '<span class="muted">(blank)</span>'
                                                     for k in ("teacher", "initial", "final")] for r in side]))
     shown = ({f"{p}.{v}" for p in ("initial", "final") for v in views} | {f"kl_reduction_{v}" for v in views}
-             | {f"{w}.answers" for w in who})
+             | {f"{w}.answers" for w in who} | {f"{w}.task" for w in scored} | {"flips"})
     rest = [(k, v) for k, v in _flat(record) if not any(k.removeprefix("eval.").startswith(s) for s in shown)]
     if rest:
         parts.append(_table(["metric", "value"], [[_esc(k), _num(v)] for k, v in rest], "kv"))

@@ -1,15 +1,17 @@
 """What the evaluate stage reports (stages/evaluate.py): about the greedy answers themselves, the
 figures that expose a degenerate student whose KL still falls; the headline numbers of metrics.json;
-and the one warning line of a run that left the student worse than policy 0."""
+the one warning line of a run that left the student worse than policy 0; task accuracy by the rows'
+checkers on the same answers, and the prompts that flipped."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from stages import evaluate
 from stages.run import runview
-from support import session
+from support import TINY, opd, session
 
 
 @pytest.fixture
@@ -44,7 +46,7 @@ def test_user_text_takes_the_last_user_turn():
 
 def _record(kl: tuple[float, float], agree: tuple[float, float]) -> dict:
     """The evaluate stage's record (the store's eval.json) with the given before/after figures."""
-    view = lambda k, a: {"kl": k, "top1_agreement": a, "tokens": 9}  # noqa: E731
+    view = lambda k, a: {"kl": k, "top1_agreement": a, "tokens": 478}  # noqa: E731  (the default run's count)
     answers = {"nonblank": 0.75, "distinct_bigrams": 0.5, "mean_tokens": 4.0}
     return {"teacher": {"answers": answers},
             "initial": {"on_teacher_text": view(kl[0], agree[0]), "on_own_text": view(2.0, 0.5), "answers": answers},
@@ -76,6 +78,11 @@ def test_a_run_that_got_worse_says_so_in_one_warning_line(kl, agree):
 
 def test_equal_figures_are_not_worse_and_old_metrics_have_no_warning():
     assert runview.headline(_record((0.5, 0.5), (0.6, 0.6)), 1)["worse"] is False
+    # within the evaluation's noise: KL up 4% (under KL_RISE), agreement down 0.03 (under two standard
+    # errors of 0.6 over 478 tokens, 0.045): no regression to shout about
+    assert runview.headline(_record((0.5, 0.52), (0.6, 0.57)), 1)["worse"] is False
+    assert runview.headline(_record((0.5, 0.53), (0.6, 0.6)), 1)["worse"] is True  # KL up 6%
+    assert runview.headline(_record((0.5, 0.5), (0.6, 0.55)), 1)["worse"] is True  # agreement down 0.05
     # a metrics.json written before the flat keys (the record nested under `eval`), or none at all
     assert runview.worse_warning({"eval": {}, "updates": 3}) is None and runview.worse_warning(None) is None
 
@@ -104,3 +111,91 @@ def test_main_prints_the_warning_to_stderr_only_when_worse(monkeypatch, capsys):
             assert err.startswith("warning: the trained student is worse than policy 0") and "1.1400" in err
         else:
             assert err == ""
+
+
+# ---- task accuracy: the rows' checkers on the same greedy answers ----
+
+def _row(question: str, truth: str | None, source: str = "opd/arith") -> dict:
+    return {"data_source": source, "prompt": [{"role": "user", "content": question}],
+            "reward_model": {"style": "rule", "ground_truth": truth}, "extra_info": {"split": "test", "index": 0}}
+
+
+def test_task_accuracy_and_flips_on_a_synthetic_case():
+    """Four rows with a truth (one right -> wrong, one wrong -> right, one right both times, one wrong both
+    times) and one without: accuracy counts the four, and only the two that changed are flips."""
+    rows = [_row("What is 2 plus 2?", "4"), _row("What is 3 plus 3?", "6"), _row("What is 5 minus 1?", "4"),
+            _row("What is 9 times 9?", "81"), _row("Write a poem.", "")]
+    text = {"teacher": ["4", "6", "4", "81", "roses"],
+            "initial": ["It is 4", "It is 5", "4", "80", "x"],
+            "final": ["It is 3", "It is 6", "so 4", "I do not know", "y"]}
+    scores, rec = evaluate.task(rows, text)
+    assert [s.correct if s else None for s in scores["final"]] == [False, True, True, False, None]
+    acc = rec["accuracy"]
+    assert {w: (a["correct"], a["n"], a["checker"]) for w, a in acc.items()} == {
+        "teacher": (4, 4, "rule"), "initial": (2, 4, "rule"), "final": (2, 4, "rule")}
+    assert acc["teacher"]["accuracy"] == 1.0 and acc["teacher"]["ci95"] == [0.510109, 1.0]  # Wilson: 4 / (4 + z^2)
+    assert rec["flips"] == {
+        "gained": [{"prompt": "What is 3 plus 3?", "truth": "6", "initial": "It is 5", "final": "It is 6",
+                    "checker": "rule"}],
+        "lost": [{"prompt": "What is 2 plus 2?", "truth": "4", "initial": "It is 4", "final": "It is 3",
+                  "checker": "rule"}]}
+    # no row with a truth: no record (the eval record then has no task keys)
+    scores, rec = evaluate.task(rows[4:], {w: t[4:] for w, t in text.items()})
+    assert rec is None and scores["teacher"] == [None]
+
+
+def test_metrics_gain_task_accuracy_only_where_the_record_has_it():
+    rec = _record((3.1, 0.75), (0.28, 0.65))
+    assert not any(k.startswith("acc_") for k in runview.headline(rec, 4))
+    for who, a in (("teacher", 0.75), ("initial", 0.25), ("final", 0.5)):
+        rec[who]["task"] = {"correct": int(4 * a), "n": 4, "accuracy": a, "ci95": [0.0, 1.0], "checker": "rule"}
+    m = runview.headline(rec, 4)
+    assert (m["acc_before"], m["acc_after"], m["acc_teacher"]) == (0.25, 0.5, 0.75) and m["worse"] is False
+
+
+def test_the_report_shows_task_accuracy_with_its_checker_and_the_flips():
+    from stages.report_html import eval_section
+
+    rec = _record((3.1, 0.75), (0.28, 0.65))
+    for who, k in (("teacher", 3), ("initial", 1), ("final", 2)):
+        rec[who]["task"] = {"correct": k, "n": 4, "accuracy": k / 4, "ci95": [0.1, 0.9],
+                            "checker": "reasoning_gym/chain_sum"}
+    flips = {"gained": [{"prompt": "1 + 5 =", "truth": "6", "initial": "<answer>5</answer>",
+                         "final": "<answer>6</answer>", "checker": "reasoning_gym/chain_sum"}], "lost": []}
+    page = eval_section(rec, {"side_by_side": [], "flips": flips})
+    assert "task accuracy of" in page and "reasoning_gym/chain_sum" in page and "3 / 4" in page and "75.0%" in page
+    assert "1 wrong before and right after, 0 right before and wrong after" in page
+    assert "&lt;answer&gt;6&lt;/answer&gt;" in page and "wrong → right" in page
+    assert "teacher.task" not in page  # shown in its table, not again in the leftover metrics
+
+
+def test_a_reasoning_gym_file_trains_and_reports_task_accuracy(work):
+    """`opd data reasoning-gym` writes rows that `opd run data.path=...` trains on and holds out; the
+    evaluation scores every held-out row with reasoning-gym's checker, for all three answer sets."""
+    import pyarrow.parquet as pq
+
+    pytest.importorskip("reasoning_gym")  # CI installs it (the `test` extra): a skip there fails CI
+
+    out = work / "chain_sum.parquet"
+    r = opd("data", "reasoning-gym", "chain_sum", "--size", "24", "--seed", "5", "--out", str(out), cwd=work)
+    assert "reasoning_gym/chain_sum" in r.stdout
+    tests = sum(x["split"] == "test" for x in pq.read_table(out).column("extra_info").to_pylist())
+    r = opd("run", *TINY, f"data.path={out}", "data.max_prompt_tokens=256", cwd=work)
+    assert "task accuracy (reasoning_gym/chain_sum, n=" in r.stdout, r.stdout
+    run = work / "artifacts" / "runs" / "default"
+    ev = json.loads((run / "eval.json").read_text())
+    n = json.loads((run / "prepare.json").read_text())["num_eval"]
+    assert n == min(tests, 4)  # every held-out row (data.num_eval = 4 in TINY), not only the side-by-side ones
+    for who in ("teacher", "initial", "final"):
+        t = ev[who]["task"]
+        assert t["checker"] == "reasoning_gym/chain_sum" and t["n"] == n and 0 <= t["correct"] <= n
+        assert t["accuracy"] == round(t["correct"] / n, 6) and 0 <= t["ci95"][0] <= t["accuracy"] <= t["ci95"][1] <= 1
+    assert "flips" not in ev  # text: in answers.json
+    answers = json.loads((run / "answers.json").read_text())
+    assert set(answers["flips"]) == {"gained", "lost"}
+    m = json.loads((run / "metrics.json").read_text())
+    assert (m["acc_before"], m["acc_after"], m["acc_teacher"]) == tuple(
+        ev[w]["task"]["accuracy"] for w in ("initial", "final", "teacher"))
+    samples = pq.read_table(next((work / "artifacts" / "store" / "evaluate").glob("*/samples.parquet"))).to_pylist()
+    assert len(samples) == 3 * n and {s["checker"] for s in samples} == {"reasoning_gym/chain_sum"}
+    assert sum(s["score"] == 1.0 for s in samples if s["policy"] == "final") == ev["final"]["task"]["correct"]

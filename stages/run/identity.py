@@ -66,8 +66,9 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("update", 3, ("objective", "optim", "lora", "train.chunk", "rollout.temperature",
                         "train.activation_checkpointing", "student.quant", "student.double_quant") + RUNTIME,
           ("policy", "rollout", "score", "student"), "train"),
-    # evaluate 2: eval.json adds the answers (non-blank share, distinct bigrams) and the side-by-side samples
-    Stage("evaluate", 2, ("eval", "train.updates", "rollout.cuda_graphs") + RUNTIME,
+    # evaluate 2: eval.json adds the answers (non-blank share, distinct bigrams) and the side-by-side samples;
+    # 3: task accuracy per role and the flipped prompts (eval.json), score and checker (samples.parquet)
+    Stage("evaluate", 3, ("eval", "train.updates", "rollout.cuda_graphs") + RUNTIME,
           ("initial", "final", "prompts", "teacher", "teacher_adapter", "student"), "evaluate"),
     Stage("tooleval", 1, ("env.max_turns", "env.max_tokens_per_turn", "rollout.cuda_graphs") + RUNTIME,
           ("policy", "policy_stage", "tasks", "student"), None),

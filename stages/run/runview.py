@@ -19,6 +19,7 @@ run with another config made the other way.
 from __future__ import annotations
 
 import dataclasses
+import math
 import fcntl
 import os
 import shutil
@@ -38,12 +39,32 @@ def headline(result: dict, updates: int) -> dict:
     """metrics.json, the DVC metrics file: the evaluate stage's record (`result`, the view's eval.json) cut
     to a few numbers under short flat keys, one narrow `dvc exp show` / `dvc metrics diff` column each.
     On the teacher's held-out text: KL(teacher||student) and top-1 agreement of policy 0 (`_before`) and
-    of the final policy (`_after`); the share of non-blank greedy answers after; `worse` when KL rose or
-    agreement fell. The numbers are the record's own (already rounded), so the file is as reproducible."""
+    of the final policy (`_after`); the share of non-blank greedy answers after; `worse` (below) when KL
+    rose or agreement fell past the evaluation's noise. Where held-out rows have a ground truth, task accuracy (`acc_before`, `acc_after`,
+    `acc_teacher`: the evaluate stage's `task`). The numbers are the record's own (already rounded), so
+    the file is as reproducible."""
     t0, t1 = result["initial"]["on_teacher_text"], result["final"]["on_teacher_text"]
-    return {"kl_before": t0["kl"], "kl_after": t1["kl"], "agree_before": t0["top1_agreement"],
-            "agree_after": t1["top1_agreement"], "nonblank_after": result["final"]["answers"]["nonblank"],
-            "updates": updates, "worse": t1["kl"] > t0["kl"] or t1["top1_agreement"] < t0["top1_agreement"]}
+    out = {"kl_before": t0["kl"], "kl_after": t1["kl"], "agree_before": t0["top1_agreement"],
+           "agree_after": t1["top1_agreement"], "nonblank_after": result["final"]["answers"]["nonblank"],
+           "updates": updates, "worse": worse(t0, t1)}
+    if "task" in result["final"]:
+        out.update({f"acc_{key}": result[who]["task"]["accuracy"]
+                    for key, who in (("before", "initial"), ("after", "final"), ("teacher", "teacher"))})
+    return out
+
+
+KL_RISE = 0.05  # a relative rise of held-out KL past which a run counts as worse (evaluation noise is less)
+
+
+def worse(t0: dict, t1: dict) -> bool:
+    """Whether the final policy is worse than policy 0 on the teacher's held-out text (`on_teacher_text`
+    records): KL rose by more than KL_RISE of its first value, or top-1 agreement fell by more than two
+    standard errors of a proportion over the evaluated tokens. A change within an evaluation's own
+    noise is no regression (a random tiny model's KL moves by a fraction of a percent)."""
+    n = max(int(t0.get("tokens") or 1), 1)
+    p = t0["top1_agreement"]
+    se = math.sqrt(max(p * (1 - p), 1 / n) / n)
+    return t1["kl"] > t0["kl"] * (1 + KL_RISE) or t1["top1_agreement"] < p - 2 * se
 
 
 def worse_warning(metrics: dict | None) -> str | None:

@@ -6,6 +6,7 @@
     opd profiles list | show NAME
     opd compat explain FIELD | table [--out docs/compat.md]
     opd data sample --format verl-parquet --out FILE [--rows N] [overrides]
+    opd data reasoning-gym NAME --size N --seed S --out FILE [--test-fraction F]
 
 `opd plan` without --profile is the weight-free memory plan (stages/memory/plan.py); with --profile it maps
 the verl config first, then plans memory. The verl bundle is `opd stage export --verl OUT [--gpus N
@@ -120,6 +121,15 @@ def cmd_data(args) -> None:
     print(f"wrote {out} ({args.rows} rows, verl schema)")
 
 
+def cmd_data_tasks(args) -> None:
+    """`opd data reasoning-gym`: a reasoning-gym dataset as verl rows its own checker scores (rows/taskdata.py)."""
+    from ..rows import taskdata
+
+    out, n = taskdata.write(args.name, args.size, args.seed, Path(args.out), args.test_fraction)
+    print(f"wrote {out} ({n['train']} train, {n['test']} test rows, verl schema; data_source and checker "
+          f"reasoning_gym/{args.name})")
+
+
 def bundle_arguments(p) -> None:
     """The cluster a verl bundle is sized for (stages/verl/sizing.py): `opd stage export --verl`."""
     g = p.add_argument_group("verl bundle sizing (with --verl)")
@@ -169,3 +179,13 @@ def add_commands(sub, with_cfg) -> None:
     p.add_argument("--out", required=True, help="the Parquet file to write")
     p.add_argument("--rows", type=int, default=16, help="prompt rows to write (default 16)")
     p.set_defaults(fn=cmd_data)
+    p = dsub.add_parser("reasoning-gym", help="write a verl-schema prompt Parquet from a reasoning-gym dataset, "
+                        "scored by its own checker (needs the extra: pip install 'opd-stages[tasks]')")
+    p.add_argument("name", help="the dataset, e.g. chain_sum or basic_arithmetic")
+    p.add_argument("--size", type=int, required=True, help="entries to draw (rows written)")
+    p.add_argument("--seed", type=int, required=True, help="the dataset's seed: the same name, size and seed "
+                   "give the same rows")
+    p.add_argument("--out", required=True, help="the Parquet file to write")
+    p.add_argument("--test-fraction", type=float, default=0.2, help="share of the distinct questions held out "
+                   "(extra_info.split = test: the evaluation rows; default 0.2)")
+    p.set_defaults(fn=cmd_data_tasks)

@@ -105,7 +105,8 @@ def test_exp_show_and_plots_diff_compare_experiments(repo):
 
 
 # metrics.json's keys (stages/run/runview.py `headline`): one narrow column each
-METRICS = ["agree_after", "agree_before", "kl_after", "kl_before", "nonblank_after", "updates", "worse"]
+METRICS = ["acc_after", "acc_before", "acc_teacher", "agree_after", "agree_before", "kl_after", "kl_before",
+           "nonblank_after", "updates", "worse"]  # (acc_*: the generator's arithmetic rows carry a ground truth)
 
 
 def readme_command(prefix: str) -> list[str]:

@@ -285,13 +285,13 @@ def test_the_reports_first_line_says_when_the_run_got_worse(tmp_path, worse):
 
 def test_a_tiny_run_warns_exactly_when_it_got_worse(finished_run):
     """End to end: metrics.json's flat figures, `worse` as they say, the stage's one stderr line (also
-    when the evaluation is reused) and the report's first line agree. (On CPU the tiny random pair
-    drifts apart, KL rising: the warning path; both paths are forced above.)"""
+    when the evaluation is reused) and the report's first line agree. (The tiny random pair's KL moves
+    by a fraction of a percent, within the evaluation's noise: no warning; both paths are forced above.)"""
     run = finished_run / "artifacts" / "runs" / "default"
     m = json.loads((run / "metrics.json").read_text())
     ev = json.loads((run / "eval.json").read_text())
     assert m == runview.headline(ev, 3)
-    assert m["worse"] == (m["kl_after"] > m["kl_before"] or m["agree_after"] < m["agree_before"])
+    assert m["worse"] == runview.worse(ev["initial"]["on_teacher_text"], ev["final"]["on_teacher_text"])
     r = opd("stage", "evaluate", *TINY, cwd=finished_run)
     assert "(published by an earlier run: reused)" in r.stdout
     warned = [line for line in r.stderr.splitlines() if line.startswith("warning: the trained student")]

@@ -14,10 +14,6 @@ copy (bytes read + written) and a 8192^3 bf16 matmul, best of several, not the d
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-ARCH = Path(__file__).resolve().parents[1] / "conf" / "arch"
 S = 2  # bytes per bf16 element
 
 
@@ -57,13 +53,13 @@ def measure_peaks(repeats: int = 10) -> dict | None:
 
 
 def shape(arch: str) -> dict:
-    c = json.loads((ARCH / f"{arch}.json").read_text())
-    H, L, heads = c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"]
-    hd = c.get("head_dim") or H // heads
-    kv = (c.get("num_key_value_heads") or heads) * hd
-    q = heads * hd
-    lin = L * (H * q + 2 * H * kv + q * H + 3 * H * c["intermediate_size"])  # q, k, v, o, gate, up, down
-    return {"layers": L, "q_dim": q, "kv_dim": kv, "linear": lin, "head": c["vocab_size"] * H}
+    """The shapes the floors need, as the memory plan reads them (stages/memory/shapes.py)."""
+    from stages.memory import shapes
+    from stages.run.config import ModelCfg
+
+    sh = shapes.shape_of(ModelCfg(name=f"arch:{arch}", init="random"), arch)
+    return {"layers": sh.layers, "q_dim": sh.q_dim, "kv_dim": sh.kv_dim,
+            "linear": sh.layers * sh.linear_params(), "head": sh.vocab * sh.hidden}
 
 
 def _forward_flops(s: dict, B: int, T: int, head_positions: int) -> float:

@@ -25,7 +25,8 @@ def pytest_collection_modifyitems(config, items):
 
 # Under CI (CI=true, ./install.sh test) every test runs but those that need CUDA (the `gpu` marker, or a
 # reason that says CUDA) and the one root cannot run (it ignores directory permissions): any other skip
-# is a test CI should have run, listed after the short summary, and it fails the session.
+# is a test CI should have run (a verl or conformance test that cannot import verl among them), listed
+# after the short summary, and it fails the session.
 CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
 CI_ALLOWED_SKIPS = ("CUDA", "root ignores directory permissions")
 _unexpected_skips: list[str] = []

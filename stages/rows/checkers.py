@@ -47,7 +47,7 @@ def _reasoning_gym(dataset: str, response: str, truth: str, row: dict) -> float:
     fn = _score_fn(dataset)
     answer = utils.extract_answer(response, tag_name="answer")
     if answer is None:
-        answer = rewards.answer_of(response, numeric=_is_number(truth))
+        answer = rewards.answer_of(response, numeric=rewards._as_number(truth) is not None)
     try:
         value = float(fn(answer, _entry(row, truth)))
     except Exception:  # the checker parses free text a model wrote: text it cannot parse is a wrong answer
@@ -147,10 +147,3 @@ def _entry(row: dict, truth: str) -> dict:
     question = next((m.get("content") for m in reversed(row.get("prompt") or []) if m.get("role") == "user"), "")
     return {"question": question, "answer": truth, "metadata": {}}
 
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text.replace(",", "").strip())
-    except ValueError:
-        return False
-    return True

@@ -170,6 +170,8 @@ def ours_pipeline(w: dict, work: Path, tokenizer: str, python: str, profile: Pat
         "store_seconds_total": train_json["timings"].get("store_seconds"),
         "median_rollout_s": median(per("rollout")), "median_score_s": median(per("score")),
         "median_update_phase_s": median(per("update")),
+        # a cross-tokenizer run's align stage (host work between rollout and score; else absent)
+        **({"median_align_s": median([s["align"]["wall_s"] for s in steps][1:])} if "align" in steps[0] else {}),
         # the step outside the three phases (wall - phases), and the recorded pieces of it per stage
         # (inputs, Parquet, adapter/optimizer serialisation, the wait for the previous background publish)
         "median_outside_phases_s": median(outside[1:]),
@@ -407,6 +409,10 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+K1 = ("objective.name=k1", "objective.use_policy_gradient=true")
+# the teacher's own tokenizer of the cross_qwen arm (Qwen2.5's: `AutoTokenizer.from_pretrained(...)
+# .save_pretrained(...)` of a Qwen2.5 GGUF or Hub model); carried to the GPU machine beside SmolLM2's
+CROSS_TOKENIZER = Path(os.environ.get("OPD_CROSS_TOKENIZER", ROOT / ".bench" / "qwen-tokenizer"))
 # our arms beside the default: overrides, and the seconds one needs before the deadline
 OURS_ARMS = {
     "nographs": (("runtime.cuda_graphs=false",), 45),  # score and update forwards eager (what the graphs save)
@@ -420,6 +426,13 @@ OURS_ARMS = {
     "inplace_ckpt": (("memory.merge_in_place=true", "train.activation_checkpointing=true"), 45),
     "inplace_nf4teacher_ckpt": (("memory.merge_in_place=true", "teacher.quant=nf4",
                                  "train.activation_checkpointing=true"), 45),
+    # cross-tokenizer OPD (objective.cross_tokenizer=spans) against the same sampled-token objective
+    # with one tokenizer: k1 alone; spans over the same tokenizer (the align stage and span sums, every
+    # span one token); a Qwen3-1.7B-shaped teacher with the Qwen tokenizer (CROSS_TOKENIZER's files)
+    "k1": (K1, 45),
+    "cross_same": ((*K1, "objective.cross_tokenizer=spans"), 45),
+    "cross_qwen": ((*K1, "objective.cross_tokenizer=spans", "teacher.name=arch:qwen3-1.7b",
+                    "teacher.tokenizer={cross_tokenizer}"), 75),
 }
 
 
@@ -450,7 +463,8 @@ def main(argv=None) -> int:
                          "layers (runtime.compile_layers=true: compiled decoder layers for update and score), "
                          "eager (runtime.compile=false), ckpt (activation checkpointing), nf4 (NF4 student and "
                          "teacher; bitsandbytes), nf4teacher (NF4 teacher only), nf4teacher_ckpt (with activation checkpointing), "
-                         "inplace_ckpt and inplace_nf4teacher_ckpt (those with memory.merge_in_place=true)")
+                         "inplace_ckpt and inplace_nf4teacher_ckpt (those with memory.merge_in_place=true), k1, "
+                         "cross_same and cross_qwen (cross-tokenizer OPD against k1 with one tokenizer)")
     ap.add_argument("--updates", type=int, default=0,
                     help="workload a's updates for every system (0: the workload's, 8); the result's shape records it")
     ap.add_argument("--peer-updates", type=int, default=0,
@@ -514,6 +528,7 @@ def main(argv=None) -> int:
             add(run_system(ours_pipeline, "opd-stages", deadline, 60, w, work, tok, py, args.profile))
         for arm, (over, need) in OURS_ARMS.items():
             if arm in ours_arms and not (args.smoke and arm.startswith("nf4")):  # (bitsandbytes on CUDA only here)
+                over = tuple(o.format(cross_tokenizer=CROSS_TOKENIZER.resolve()) for o in over)
                 add(run_system(ours_pipeline, f"opd-stages-{arm}", deadline, need, w, work, tok, py, None, over,
                                f"opd-stages-{arm}"))
         if "trl" in peers and not args.smoke:

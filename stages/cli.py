@@ -97,7 +97,14 @@ def cmd_run(args) -> None:
         if sess is None:  # --dry-run
             return
     else:
-        sess = _session(args)
+        from .memory import plan
+
+        cfg = _config(args)
+        # CPU: the memory plan before prepare reads or writes any weights; a run past the host memory available
+        # is refused here (stages/memory/plan.py `preflight`). CUDA, or shapes not readable yet (a model not
+        # fetched): the session decides at its first model load, as for every command
+        planned = plan.preflight(cfg)
+        sess = train.session(cfg, planned[0] if planned else None, origin=_origin(args))
     prepare.main(sess)
     train.main(sess)
     evaluate.main(sess)
@@ -124,6 +131,8 @@ def cmd_stage(args) -> None:
         _export(args)
         return
     sess = _session(args)
+    if name == "align" and sess.cfg.objective.cross_tokenizer == "off":
+        raise UserError("opd stage align: a cross-tokenizer run's stage; objective.cross_tokenizer is 'off'")
     if name == "prepare":
         prepare.main(sess)
     elif name == "train":
@@ -137,12 +146,16 @@ def cmd_stage(args) -> None:
     else:  # one step: the earlier steps are published first
         train.ensure_policy(sess, k - 1)
         d = rollout.run(sess, k)
-        if name != "rollout":
+        if name == "align" or (name != "rollout" and sess.cfg.objective.cross_tokenizer != "off"):
+            from . import align
+
+            d = align.run(sess, k)
+        if name not in ("rollout", "align"):
             d = score.run(sess, k)
             d = d if name == "score" else update.run(sess, k)
         # (CUDA publishes on a worker thread: joined before the path is printed, its error raised)
         sess.store.flush()
-        print(f"rollout step {k}: {d / 'rollout.parquet'}" if name == "rollout" else d)
+        print(f"{name} step {k}: {d / 'rollout.parquet'}" if name == "rollout" else d)
 
 
 def _export(args) -> None:

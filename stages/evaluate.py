@@ -27,20 +27,21 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import torch
 
 from .engine import lmhead, sampler
 from .engine.sampling import Sampling
 from .run import runview
-from .rows import checkers, rewards, tables
+from .rows import alignment, checkers, rewards, tables
 from .rows.prompts import prompt_ids
 from .run.store import write_json
 from .session import Session, phase
 
 
-def greedy(sess: Session, model, engine, prompts: list[list[int]]) -> list[list[int]]:
-    tok = sess.tokenizer()
+def greedy(sess: Session, model, engine, prompts: list[list[int]], tok=None) -> list[list[int]]:
+    tok = tok or sess.tokenizer()  # (a cross-tokenizer teacher answers in its own tokens)
     kw = dict(eos=tok.eos_token_id, pad=tok.pad_token_id or tok.eos_token_id, seed=0, sampling=Sampling(greedy=True))
     out = engine.generate(prompts, sess.cfg.eval.max_new_tokens, **kw) if engine else \
         sampler.hf_generate(model, prompts, sess.cfg.eval.max_new_tokens, **kw)
@@ -56,6 +57,67 @@ def measure(sess: Session, student, prompts, responses) -> dict:
                                         sess.cfg.eval.chunk)
     return {"kl": round(float(kl.mean()), 6), "top1_agreement": round(float(agree.mean()), 6),
             "tokens": int(kl.numel())}
+
+
+def _own_scores(model, prompts, responses, chunk: int, device) -> tuple[np.ndarray, np.ndarray]:
+    """(log-prob of each response token, the model's top-1 id at that position), rows end to end."""
+    p = lmhead.pack(prompts, responses, [[1] * len(r) for r in responses], pad=0, device=device)
+    with torch.no_grad():
+        lp, ids, _, _ = lmhead.score_positions(lmhead.hidden(model, p), lmhead.head_weight(model), p.targets, chunk, 1)
+    return lp.double().cpu().numpy(), ids[:, 0].cpu().numpy()
+
+
+def _spelled(token_bytes: list, i) -> bytes | None:
+    """A predicted id's bytes; None for a special token or an id past the tokenizer (a model's
+    embedding may be larger than its vocabulary): such a prediction agrees with nothing."""
+    i = int(i)
+    return token_bytes[i] if i < len(token_bytes) else None
+
+
+def measure_spans(sess: Session, student, s_prompts, t_prompts, responses, by: str) -> dict:
+    """A cross-tokenizer run's held-out numbers (stages/align.py): `responses` (the teacher's tokens if
+    `by` is "teacher", else the student's) re-tokenized by the other side and aligned on byte spans.
+    kl: the log-ratio of the text's author over the other model, summed over exact spans, per student
+    token (teacher text: log p_T - log p_S, a one-sample estimate of KL(teacher||student); own text:
+    log p_S - log p_T, of KL(student||teacher), what on-policy distillation lowers). top1_agreement:
+    over the spans that are one token on each side, the share where both models' most likely tokens
+    spell the same bytes; `tokens` counts those spans (the agreement's sample size)."""
+    s_bytes, t_bytes, smap = sess.alignment_maps()
+    s_tok, t_tok = sess.tokenizer(), sess.teacher_tokenizer()
+    if by == "teacher":
+        tmap = alignment.special_map(t_tok, s_tok)
+        rows = [alignment.align_row(r, t_bytes, s_tok, s_bytes, tmap) for r in responses]
+        t_resp, s_resp = responses, [r.teacher_ids for r in rows]
+        t_span, s_span = [r.student_span for r in rows], [r.teacher_span for r in rows]
+    else:
+        rows = [alignment.align_row(r, s_bytes, t_tok, t_bytes, smap) for r in responses]
+        s_resp, t_resp = responses, [r.teacher_ids for r in rows]
+        s_span, t_span = [r.student_span for r in rows], [r.teacher_span for r in rows]
+    chunk = sess.cfg.eval.chunk
+    lp_s, top_s = _own_scores(student, s_prompts, s_resp, chunk, sess.device)
+    lp_t, top_t = _own_scores(sess.teacher(), t_prompts, t_resp, chunk, sess.device)
+    gap = n_tok = agree = pairs = spans = 0
+    a_s = a_t = 0
+    for row, ss, ts in zip(rows, s_span, t_span):
+        S = len(row.span_exact)
+        sums_s, sums_t = np.zeros(S), np.zeros(S)
+        np.add.at(sums_s, np.asarray(ss, dtype=np.int64), lp_s[a_s:a_s + len(ss)])
+        np.add.at(sums_t, np.asarray(ts, dtype=np.int64), lp_t[a_t:a_t + len(ts)])
+        exact = np.asarray(row.span_exact, dtype=bool)
+        n_s, n_t = np.bincount(ss, minlength=S), np.bincount(ts, minlength=S)
+        diff = (sums_t - sums_s) if by == "teacher" else (sums_s - sums_t)
+        gap += diff[exact].sum()
+        n_tok += int(n_s[exact].sum())
+        spans += int(exact.sum())
+        pos_s, pos_t = np.cumsum(n_s) - 1, np.cumsum(n_t) - 1  # each span's last position, per side
+        for j in np.flatnonzero(exact & (n_s == 1) & (n_t == 1)):
+            pairs += 1
+            a, b = _spelled(s_bytes, top_s[a_s + pos_s[j]]), _spelled(t_bytes, top_t[a_t + pos_t[j]])
+            agree += a is not None and a == b
+        a_s, a_t = a_s + len(ss), a_t + len(ts)
+    return {"kl": round(float(gap / max(n_tok, 1)), 6), "top1_agreement": round(agree / max(pairs, 1), 6),
+            "tokens": pairs, "student_tokens": n_tok, "spans": spans,
+            "kl_estimate": "exact spans, log-ratio of the text's author over the other model, per student token"}
 
 
 SIDE_BY_SIDE = 4  # held-out prompts shown with all three answers in answers.json and the report
@@ -105,29 +167,41 @@ def run(sess: Session) -> dict:
     def produce(tmp: Path) -> None:
         tok = sess.tokenizer()
         ev = tables.read(sess.store.path("prompts", sess.prepared["prompts"]) / "eval.parquet")
-        prompts = [prompt_ids(tok, m, cfg.data) for m in ev.column(cfg.data.prompt_key).to_pylist()]
+        msgs = ev.column(cfg.data.prompt_key).to_pylist()
+        prompts = [prompt_ids(tok, m, cfg.data) for m in msgs]
+        cross = cfg.objective.cross_tokenizer != "off"  # the teacher reads and writes its own tokens
+        t_tok = sess.teacher_tokenizer() if cross else tok
+        t_prompts = [prompt_ids(t_tok, m, cfg.data) for m in msgs] if cross else prompts
         held = ev.to_pylist()
         checkers.require(held)  # a checker that cannot run fails before the answers are generated
         state: dict = {"stage": "evaluate", "digest": dig}
         with phase(sess.device, state) as ph:
             engine = sampler.make(sess.teacher(), cfg.rollout.cuda_graphs, sess.compiled_decode, sess.store.flush)
-            teacher_resp = greedy(sess, sess.teacher(), engine, prompts)
-            result, said = {"teacher": {"answers": answers(tok, teacher_resp)}}, {"teacher": teacher_resp}
+            teacher_resp = greedy(sess, sess.teacher(), engine, t_prompts, t_tok)
+            result, said = {"teacher": {"answers": answers(t_tok, teacher_resp)}}, {"teacher": teacher_resp}
             for name, k in (("initial", 0), ("final", K)):
                 student = sess.use_policy(k)
                 own = said[name] = greedy(sess, student, sess.engine(), prompts)
-                result[name] = {"on_teacher_text": measure(sess, student, prompts, teacher_resp),
-                                "on_own_text": measure(sess, student, prompts, own), "answers": answers(tok, own)}
+                if cross:
+                    result[name] = {"on_teacher_text": measure_spans(sess, student, prompts, t_prompts, teacher_resp,
+                                                                     "teacher"),
+                                    "on_own_text": measure_spans(sess, student, prompts, t_prompts, own, "student")}
+                else:
+                    result[name] = {"on_teacher_text": measure(sess, student, prompts, teacher_resp),
+                                    "on_own_text": measure(sess, student, prompts, own)}
+                result[name]["answers"] = answers(tok, own)
             ph["tokens"] = sum(map(len, teacher_resp))
-        text = {who: [tok.decode(r, skip_special_tokens=True) for r in said[who]] for who in ROLES}
+        decoder = {"teacher": t_tok, "initial": tok, "final": tok}
+        text = {who: [decoder[who].decode(r, skip_special_tokens=True) for r in said[who]] for who in ROLES}
         scores, record = task(held, text, cfg.data.prompt_key)
         if record is not None:  # (a record without task keys where no held-out row has a ground truth)
             for who in ROLES:
                 result[who]["task"] = record["accuracy"][who]
             result["flips"] = record["flips"]
-        rows = [{"policy": who, "prompt": tok.decode(p), "response": tok.decode(r),
+        asked = {"teacher": t_prompts, "initial": prompts, "final": prompts}
+        rows = [{"policy": who, "prompt": decoder[who].decode(p), "response": decoder[who].decode(r),
                  "score": s.value if s else None, "checker": s.checker if s else None}
-                for who in ("initial", "final", "teacher") for p, r, s in zip(prompts, said[who], scores[who])]
+                for who in ("initial", "final", "teacher") for p, r, s in zip(asked[who], said[who], scores[who])]
         result["side_by_side"] = [
             {"prompt": _user_text(ev.column(cfg.data.prompt_key)[i].as_py()), **{who: text[who][i] for who in ROLES}}
             for i in range(min(SIDE_BY_SIDE, len(prompts)))]
@@ -162,7 +236,8 @@ def main(sess: Session) -> dict:
     t = r["initial"]["on_teacher_text"]["kl"], r["final"]["on_teacher_text"]["kl"]
     o = r["initial"]["on_own_text"]["kl"], r["final"]["on_own_text"]["kl"]
     a = r["initial"]["on_teacher_text"]["top1_agreement"], r["final"]["on_teacher_text"]["top1_agreement"]
-    print(f"evaluate: held-out KL(teacher||student) on teacher text {t[0]:.4f} -> {t[1]:.4f}; "
+    what = "span log-ratio (cross-tokenizer)" if "spans" in r["final"]["on_teacher_text"] else "KL(teacher||student)"
+    print(f"evaluate: held-out {what} on teacher text {t[0]:.4f} -> {t[1]:.4f}; "
           f"on own text {o[0]:.4f} -> {o[1]:.4f}; top-1 agreement on teacher text {a[0]:.3f} -> {a[1]:.3f}; "
           f"non-blank answers {r['final']['answers']['nonblank']:.0%}" + _accuracy_note(r)
           + (" (published by an earlier run: reused)" if reused else ""))

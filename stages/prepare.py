@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from .run import identity, runview
 from .weights import models
-from .rows import prompts, tables, tooluse
+from .rows import alignment, prompts, tables, tooluse
 from .errors import UserError
 from .run.store import fault, file_hash, write_json
 from .session import Session
@@ -146,7 +146,8 @@ def require_tokenizer_match(student, teacher, fp_student: str, fp_teacher: str, 
                         f"({'student' if student is None else 'teacher'} has no tokenizer files)")
     bad, other = tokenizer_differences(student, teacher)
     if bad:
-        raise UserError(f"tokenizer mismatch: {where} must share one tokenizer: {bad}")
+        raise UserError(f"tokenizer mismatch: {where} must share one tokenizer: {bad} "
+                        f"(or align them: objective.cross_tokenizer=spans with a sampled-token objective)")
     if other:
         print(f"note: student and teacher tokenizers differ only in {', '.join(other)} (the student's tokenizer "
               f"and chat template format every prompt, the teacher's included); ids and special tokens agree",
@@ -161,6 +162,8 @@ def check_teacher_source(sess: Session, student: str) -> None:
     byte for byte (the chat template aside), nor when the teacher's tokenizer does not load: its
     materialisation then reports why."""
     cfg = sess.cfg
+    if cfg.objective.cross_tokenizer != "off":  # the teacher keeps its own tokenizer (stages/align.py)
+        return
     src = _source_dir(cfg.teacher)
     sdir = sess.store.path("model", student)
     has_tokenizer = lambda d: any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))  # noqa: E731
@@ -180,7 +183,8 @@ def check_teacher_source(sess: Session, student: str) -> None:
         bad, _ = tokenizer_differences(AutoTokenizer.from_pretrained(sdir), tok_t)
         if bad:
             raise UserError(f"tokenizer mismatch: student {cfg.student.name!r} and teacher {cfg.teacher.name!r} "
-                            f"must share one tokenizer: {bad}")
+                            f"must share one tokenizer: {bad} (or align them: objective.cross_tokenizer=spans "
+                            "with a sampled-token objective)")
     _require_vocab(json.loads((sdir / "config.json").read_text())["vocab_size"], vocab_t)
 
 
@@ -271,8 +275,17 @@ def _build(sess: Session, student: str, teacher: str) -> dict:
     sdir, tdir = sess.store.path("model", student), sess.store.path("model", teacher)
     fp_s, vocab_s, tok = _tokenizer_of(sdir)
     fp_t, vocab_t, tok_t = _tokenizer_of(tdir)
-    require_tokenizer_match(tok, tok_t, fp_s, fp_t, cfg.student.name, cfg.teacher.name)
-    _require_vocab(vocab_s, vocab_t)
+    cross = cfg.objective.cross_tokenizer != "off"
+    if cross and tok_t is None:
+        raise UserError(f"objective.cross_tokenizer=spans: teacher {cfg.teacher.name!r} has no tokenizer files "
+                        "(the teacher re-tokenizes the student's text with its own)")
+    if cross:  # each side keeps its own tokenizer and vocabulary; the align stage checks the pair can align
+        alignment.token_bytes(tok), alignment.token_bytes(tok_t)  # a decoder it cannot spell out: refused now
+        print(f"note: cross-tokenizer run: student tokenizer {fp_s[:12]} ({len(tok)} ids), teacher tokenizer "
+              f"{fp_t[:12]} ({len(tok_t)} ids); responses are aligned on byte spans", file=sys.stderr)
+    else:
+        require_tokenizer_match(tok, tok_t, fp_s, fp_t, cfg.student.name, cfg.teacher.name)
+        _require_vocab(vocab_s, vocab_t)
     if cfg.objective.topk > vocab_s:
         raise UserError(f"key 'objective.topk' = {cfg.objective.topk}; larger than the vocabulary ({vocab_s})")
     if tok is None:
@@ -295,6 +308,8 @@ def _build(sess: Session, student: str, teacher: str) -> dict:
     sess.store.ensure("prompts", pdig, produce)
     out = {"student": student, "teacher": teacher, "prompts": pdig, "tokenizer": fp_s, "vocab": vocab_s,
            "num_train": train.num_rows, "num_eval": evals.num_rows}
+    if cross:  # (a key only then: other runs' prepare records unchanged)
+        out["teacher_tokenizer"] = fp_t
     if cfg.env.name:  # tool-use task rows (verl schema): rollouts, SFT traces, held-out evaluation
         out.update(tooluse.prepare_tasks(sess, fp_s))
     return out

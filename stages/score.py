@@ -15,7 +15,7 @@ from . import objectives
 from .engine import batch, lmhead
 from .memory import placement
 from .run import selection
-from .rows import tables, tooluse
+from .rows import alignment, tables, tooluse
 from .run.config import logit_temperature
 from .errors import UserError
 from .run.store import seed_of
@@ -39,12 +39,39 @@ def _spread(values: np.ndarray, sel: np.ndarray, fill) -> np.ndarray:
     return out
 
 
+def teacher_rows(al: pa.Table) -> pa.Table:
+    """A cross-tokenizer run's align table as the rows the teacher reads: its own prompt and response ids."""
+    resp = al.column("teacher_response_ids")
+    ones = [[1] * len(r) for r in resp.to_pylist()]
+    return pa.table({"uid": al.column("uid"), "prompt_ids": al.column("teacher_prompt_ids"), "response_ids": resp,
+                     "response_mask": pa.array(ones, pa.list_(pa.int8()))})
+
+
+def span_sums(lp: np.ndarray, al: pa.Table) -> pa.Array:
+    """Per row, log p_teacher of each aligned span: the sum over its teacher tokens (float64, then
+    float32); NaN where the span is not exact (its bytes are not text the teacher read). lp: [n] over
+    the teacher's response tokens, rows end to end -> list<float32> per row."""
+    t_span, exact = al.column("teacher_span").to_pylist(), al.column("span_exact").to_pylist()
+    out, at = [], 0
+    for spans, ex in zip(t_span, exact):
+        s = np.zeros(len(ex))
+        np.add.at(s, np.asarray(spans, dtype=np.int64), lp[at:at + len(spans)].astype(np.float64))
+        at += len(spans)
+        out.append(np.where(np.asarray(ex, dtype=bool), s, np.nan).astype(np.float32))
+    return pa.array(out, pa.list_(pa.float32()))
+
+
 def run(sess: Session, k: int) -> Path:
     dig = sess.score_digest(k)
+    cross = sess.cfg.objective.cross_tokenizer != "off"  # the teacher reads its own tokens of the text
 
     def produce(tmp: Path) -> None:
         cfg = sess.cfg
         ro = sess.table("rollout", sess.rollout_digest(k), "rollout.parquet", batch.ROLLOUT_NEEDS)
+        if cross:
+            # (the driver ran align(k) first: stages/align.py)
+            al = sess.table("align", sess.align_digest(k), "spans.parquet", alignment.NEEDS)
+            ro = teacher_rows(al)
         needs = objectives.needs(cfg.objective)
         kk = cfg.objective.topk if "topk" in needs else 0
         sess.activate("teacher")  # placement swap: the student waits in host memory
@@ -52,7 +79,8 @@ def run(sess: Session, k: int) -> Path:
         if cfg.teacher_mode == "privileged_context":  # the teacher's prompt carries the oracle block
             ro = tooluse.with_teacher_prompts(sess, ro)
         p = batch.packed(ro, sess.device)
-        sel = select_positions(sess, ro, seed_of(dig))  # [n] bool over packed positions
+        # [n] bool over packed positions (a cross-tokenizer run scores every teacher position)
+        sel = np.ones(int(p.targets.numel()), dtype=bool) if cross else select_positions(sess, ro, seed_of(dig))
         ps = batch.subset(p, torch.as_tensor(sel, device=p.rows.device))
         state: dict = {"stage": "score", "step": k, "digest": dig, "selected_positions": int(sel.sum()),
                        "response_positions": int(sel.size)}
@@ -81,7 +109,9 @@ def run(sess: Session, k: int) -> Path:
             cols["topk_ids"] = lst(pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1)), kk))
             cols["topk_logprobs"] = lst(pa.FixedSizeListArray.from_arrays(pa.array(tlp.reshape(-1)), kk))
             cols["topk_mass"] = lst(pa.array(np.exp(tlp).sum(-1).astype(np.float32)))
-        table = pa.Table.from_pydict(cols, tables.scores_schema(kk))
+        if cross:
+            cols["span_logprobs"] = span_sums(lp, al)
+        table = pa.Table.from_pydict(cols, tables.scores_schema(kk, spans=cross))
         return sess.hand_on("score", dig, "scores.parquet", table, {"topk": kk, "selection": cfg.selection.mode}, state)
 
     d, _ = sess.store.ensure("score", dig, produce, background=sess.background_publish)

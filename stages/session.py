@@ -16,7 +16,7 @@ from .engine import decoder, graphs, sampler, warmup
 from .engine.sampling import Sampling
 from .memory import hostmem, phases, placement, plan
 from .run import identity
-from .rows import tables
+from .rows import alignment, tables
 from .run.config import Config
 from .errors import UserError
 from .run.store import Store, link, seed_of, write_json
@@ -41,7 +41,7 @@ class Session:
         torch.set_num_threads(cfg.runtime.threads or torch.get_num_threads())
         self._prepared: dict | None = None
         self._chain: identity.Chain | None = None
-        self._student = self._teacher = self._engine = self._tok = None
+        self._student = self._teacher = self._engine = self._tok = self._tok_t = self._maps = None
         self._policy: str | None = None  # digest of the policy whose adapter the student holds
         # memory.placement as the plan resolves it (stages/memory/plan.py); a probe may fix it up front
         self._placement: str | None = planned
@@ -134,6 +134,19 @@ class Session:
         if self._tok is None:  # (a tokenizer's truth is its vocabulary's size)
             self._tok = self._ahead.take("tokenizer") or ahead.tokenizer(self.model_dir("student"))
         return self._tok
+
+    def teacher_tokenizer(self):
+        """The teacher's own tokenizer: a cross-tokenizer run's teacher reads its own tokens (stages/align.py)."""
+        if self._tok_t is None:
+            self._tok_t = ahead.tokenizer(self.model_dir("teacher"))
+        return self._tok_t
+
+    def alignment_maps(self) -> tuple:
+        """(student token bytes, teacher token bytes, student -> teacher special ids): stages/rows/alignment.py."""
+        if self._maps is None:
+            s, t = self.tokenizer(), self.teacher_tokenizer()
+            self._maps = (alignment.token_bytes(s), alignment.token_bytes(t), alignment.special_map(s, t))
+        return self._maps
 
     def loaded_ahead(self) -> list[str] | None:  # (None: load_ahead never started)
         return list(self._ahead.taken) if self._ahead else None
@@ -322,6 +335,9 @@ class Session:
     def score_digest(self, k: int) -> str:
         return self.chain.score(k)
 
+    def align_digest(self, k: int) -> str:
+        return self.chain.align(k)
+
     def update_digest(self, k: int) -> str:
         return self.chain.update(k)
 
@@ -340,11 +356,13 @@ class Session:
         link(pol / "optimizer.safetensors", d / "optimizer.safetensors")
         state = {"policy": json.loads((pol / "state.json").read_text())}
         if k > 0:
-            for name, dig in (("rollout", self.rollout_digest(k)), ("score", self.score_digest(k))):
+            files = {"rollout": (self.rollout_digest(k), "rollout.parquet"), "score": (self.score_digest(k), "scores.parquet")}
+            if self.cfg.objective.cross_tokenizer != "off":
+                files["align"] = (self.align_digest(k), "spans.parquet")
+            for name, (dig, file) in files.items():
                 sd = self.store.path(name, dig)
                 self.store.wait(sd)
-                link(sd / f"{'scores' if name == 'score' else name}.parquet",
-                     d / f"{'scores' if name == 'score' else name}.parquet")
+                link(sd / file, d / file)
                 state[name] = json.loads((sd / "state.json").read_text())
         write_json(d / "state.json", state)
 

@@ -16,7 +16,7 @@ import time
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import prepare, rollout, score, sft, update
+from . import align, prepare, rollout, score, sft, update
 from .weights import ahead
 from .memory import hostmem
 from .engine import kernels, warmup
@@ -58,6 +58,12 @@ def sft_continued(sess: Session, steps: int) -> tuple[str, str]:
     return sft.continued(sess, steps)
 
 
+def aligned(sess: Session, k: int) -> None:
+    """A cross-tokenizer run's align(k), between rollout(k) and score(k) (stages/align.py); else nothing."""
+    if sess.cfg.objective.cross_tokenizer != "off":
+        align.run(sess, k)
+
+
 def ensure_policy(sess: Session, k: int) -> None:
     """Make policy version k exist in the store (runs the earlier steps if needed). Returns with
     everything it computed published: a publish that failed on the worker thread raises here."""
@@ -65,6 +71,7 @@ def ensure_policy(sess: Session, k: int) -> None:
     for j in range(1, k + 1):
         if sess.store.get("update", sess.update_digest(j)) is None:
             rollout.run(sess, j)
+            aligned(sess, j)
             score.run(sess, j)
             update.run(sess, j)
     sess.store.flush()
@@ -174,6 +181,7 @@ def run(sess: Session) -> dict:
             if sess.store.get("update", sess.update_digest(k)) is None:  # else: published, reuse
                 rollout.run(sess, k)
                 sess.mark("rollout_done")
+                aligned(sess, k)
                 score.run(sess, k)
                 sess.mark("score_done")
                 update.run(sess, k)
@@ -194,6 +202,7 @@ def run(sess: Session) -> dict:
             else:  # a reused step's rollout and scores are content-checked too before they are linked
                 reused.add(k)
                 rollout.run(sess, k)  # (and recomputed, to the same bytes, if damaged)
+                aligned(sess, k)
                 score.run(sess, k)
             for j in waiting:  # the previous step's publish overlapped this step's compute
                 record(j)

@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from . import objectives
+from .objectives.spans import Spans
 from .weights import adapters, models
 from .engine import batch, lmhead
 from .memory import placement
-from .rows import tables
+from .rows import alignment, tables
 from .run.config import logit_temperature
 from .errors import UserError
 from .run.store import fault, write_json
@@ -39,14 +40,30 @@ def load_scores(sess: Session, k: int, topk: int) -> dict:
     return out
 
 
+def span_inputs(sess: Session, k: int) -> tuple[np.ndarray, Spans]:
+    """A cross-tokenizer run's inputs (stages/align.py): (keep [n] bool over the packed student
+    positions: those in exact spans the teacher scored, Spans)."""
+    al = sess.table("align", sess.align_digest(k), "spans.parquet", alignment.NEEDS)
+    t = sess.table("score", sess.score_digest(k), "scores.parquet", {"uid": None, "span_logprobs": None})
+    span_lp = tables.flat(t, "span_logprobs", np.float32)  # [S] over the batch's spans, rows end to end
+    n_spans = [len(x) for x in al.column("span_exact").to_pylist()]
+    base = np.r_[0, np.cumsum(n_spans)[:-1]].astype(np.int64)  # each row's first span
+    ids = np.concatenate([b + np.asarray(s, dtype=np.int64) for b, s in zip(base, al.column("student_span").to_pylist())]
+                         or [np.zeros(0, np.int64)])  # [n]
+    exact = tables.flat(al, "span_exact", np.int8).astype(bool)  # [S]
+    keep = exact[ids] & np.isfinite(span_lp[ids])
+    return keep, Spans(ids, span_lp)
+
+
 def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch.Tensor, sc: dict,
                       advantages: torch.Tensor | None = None, keep: np.ndarray | None = None,
-                      chunk: int | None = None) -> dict:
+                      chunk: int | None = None, spans: Spans | None = None) -> dict:
     """Chunked objective with one backward through the backbone. Returns scalar diagnostics.
     chunk: positions per LM-head/loss chunk (default train.chunk; smaller after a CUDA OOM).
 
     keep: [n] bool over the packed positions (score's `selected`): only those reach the LM head and
-    count in the loss; the aggregation treats them as the response mask."""
+    count in the loss; the aggregation treats them as the response mask. spans: a cross-tokenizer
+    run's aligned spans over the packed positions (chunks then end where spans end)."""
     cfg, dev = sess.cfg, sess.device
     ob = objectives.get(cfg.objective.name)
     # host inputs go to the device without blocking (a blocking copy waits for the device, and
@@ -61,6 +78,7 @@ def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch
         p, j, sample_lp = batch.subset(p, kt), j[kt], sample_lp[kt]
         sc = {name: v[keep] for name, v in sc.items()}
         advantages = advantages[kt] if advantages is not None else None
+        spans = spans.subset(keep) if spans is not None else None
     # teacher arrays move to the device once, before the forward is queued
     sc = {name: torch.as_tensor(v).to(dev, non_blocking=True) for name, v in sc.items() if v is not None}
     w = objectives.agg_weights(mask, cfg.objective.loss_agg_mode)  # [B, R]
@@ -76,7 +94,8 @@ def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch
     # sums stay on the device (one transfer at the end)
     loss_sum = torch.zeros((), device=dev)
     diag_sums: dict[str, torch.Tensor] = {}
-    for c in lmhead.chunks(p.rows.numel(), chunk or cfg.train.chunk):
+    size = chunk or cfg.train.chunk
+    for c in (spans.chunks(size) if spans is not None else lmhead.chunks(p.rows.numel(), size)):
         logits = F.linear(leaf[c], head).float()  # [c, V]: the only vocab-sized tensor, one chunk
         if T != 1.0:  # x / 1.0 == x (and its gradient g / 1.0 == g) exactly: at T = 1 two [c, V] passes saved
             logits = logits / T
@@ -87,6 +106,8 @@ def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch
             topk_logprobs=sc["topk_logprobs"][c] if "topk_logprobs" in sc else None,
             advantages=advantages[c] if advantages is not None else None,
             teacher_logits=None if h_t is None else F.linear(h_t[c], head_t).float() / T)
+        if spans is not None:
+            ch.span_ids, ch.span_offsets, ch.span_teacher_logprobs = spans.chunk_tensors(c, dev)
         per_tok, diag = ob.per_token(ch, cfg.objective)  # [c]
         loss = (per_tok * wpos[c]).sum()
         if loss.requires_grad:
@@ -128,11 +149,16 @@ def run(sess: Session, k: int) -> Path:
         prev = sess.policy_dir(k - 1)  # init, the SFT cold start, or update k-1
         ro = sess.table("rollout", sess.rollout_digest(k), "rollout.parquet", batch.ROLLOUT_NEEDS)
         needs = objectives.needs(cfg.objective)
-        sc = load_scores(sess, k, cfg.objective.topk if "topk" in needs else 0)
+        spans = None
+        if cfg.objective.cross_tokenizer != "off":  # the teacher's numbers are per aligned span
+            keep, spans = span_inputs(sess, k)
+            sc = {}
+        else:
+            sc = load_scores(sess, k, cfg.objective.topk if "topk" in needs else 0)
+            keep = sc.pop("selected")
         student = sess.use_policy(k - 1)
         p = batch.packed(ro, sess.device)
         sample_lp = torch.as_tensor(tables.flat(ro, "sample_logprobs", np.float32), device=sess.device)
-        keep = sc.pop("selected")
         adv = None
         if "advantages" in needs:  # task-reward advantage per trajectory, spread over its positions
             traj = trajectory_advantages(ro, cfg, k)  # [B]
@@ -149,13 +175,15 @@ def run(sess: Session, k: int) -> Path:
         for gr in opt.param_groups:
             gr["lr"] = lr
         state: dict = {"stage": "update", "step": k, "digest": dig, "lr": lr}
+        if spans is not None:  # the share of the student's tokens whose loss compares exact spans
+            state["exact_token_share"] = round(float(keep.mean()) if keep.size else 0.0, 6)
         io = state["io_s"] = {"inputs": round(time.perf_counter() - t_in, 4)}  # outside the timed phase
         models.set_training(student, True)
 
         def attempt(chunk: int):  # run again with a halved chunk after a CUDA OOM (placement.chunk_retry)
             opt.zero_grad(set_to_none=True)  # a failed attempt's partial gradients are discarded
             torch.manual_seed(int(dig[:8], 16))  # LoRA dropout, if any, draws from the stage's own seed
-            return loss_and_backward(sess, student, p, sample_lp, sc, adv, keep, chunk=chunk)
+            return loss_and_backward(sess, student, p, sample_lp, sc, adv, keep, chunk=chunk, spans=spans)
 
         with phase(sess.device, state, tokens=int(p.mask.sum())):
             stats = placement.chunk_retry(sess, "update", k, state, attempt)

@@ -22,7 +22,7 @@ ALLOWED_LATE = {
 }
 
 # the DVC stages and the in-loop stages, side by side at the top of the package
-PIPELINE = {"stages.prepare", "stages.rollout", "stages.score", "stages.update", "stages.evaluate",
+PIPELINE = {"stages.prepare", "stages.rollout", "stages.align", "stages.score", "stages.update", "stages.evaluate",
             "stages.export", "stages.report", "stages.report_html", "stages.sft", "stages.tooleval"}
 # Layers, bottom up (a module may import its own layer and the layers below it, never above)
 LAYERS = [{"stages.errors"}, {"stages.objectives", "stages.envs"}, {"stages.run"}, {"stages.rows", "stages.weights"},

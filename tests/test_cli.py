@@ -27,7 +27,7 @@ def test_stage_names_are_the_dvc_stages_and_the_steps_of_train():
     """One declaration (stages/run/pipeline.py) for dvc.yaml's stages and `opd stage`'s names."""
     assert cli.STAGES is pipeline.STAGES and dvcyaml.PIPELINE is pipeline.PIPELINE
     assert cli.STAGES == ("prepare", "train", "evaluate", "export", "report")
-    assert cli.STEPS == ("rollout", "score", "update")
+    assert cli.STEPS == ("rollout", "align", "score", "update")
     stage = cli.build_parser()._subparsers._group_actions[0].choices["stage"]
     assert set(stage._actions[1].choices) == set(cli.STAGES) | set(cli.STEPS)
 
@@ -47,7 +47,7 @@ def test_each_verb_once():
 
 @pytest.mark.parametrize("argv,needle", [
     (["stage", "rollout"], "--step N"),
-    (["stage", "train", "--step", "2"], "--step is for rollout, score, update"),
+    (["stage", "train", "--step", "2"], "--step is for rollout, align, score, update"),
     (["stage", "train", "--verl", "x"], "--out, --merged and --verl are for export"),
     (["stage", "evaluate", "--merged"], "--out, --merged and --verl are for export"),
 ])

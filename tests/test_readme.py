@@ -52,7 +52,8 @@ COVERED = {
         "tests/tools/test_benchmark.py::test_the_committed_tooluse_result_matches_its_config_and_the_readme",
 }
 # Example names in the README -> what stands in for them here (filled in by the `workspace` fixture).
-PLACEHOLDERS = ("/models/my-student", "/models/my-teacher", "/data/train.parquet", "s0003-p00034-0")
+PLACEHOLDERS = ("/models/my-student", "/models/my-teacher", "/models/other-family", "/data/train.parquet",
+                "s0003-p00034-0")
 
 
 # ---- what each runnable command is for ----
@@ -129,6 +130,16 @@ def check_models(names):
     return check
 
 
+def check_cross(r, work, subs, before):
+    """A teacher of another tokenizer: the run finished with its spans aligned step by step, and
+    prepare recorded the teacher's own tokenizer beside the student's."""
+    cfg = _finished(r, work, 1)
+    assert cfg["objective"]["cross_tokenizer"] == "spans"
+    prep = _json(work, "artifacts/runs/default/prepare.json")
+    assert prep["teacher_tokenizer"] != prep["tokenizer"]
+    assert (work / "artifacts/runs/default/step-0001/spans.parquet").exists()
+
+
 def check_own_prompts(r, work, subs, before):
     """Prompts from a verl-schema Parquet: the rows with split `test` are held out, the rest train."""
     import pyarrow.parquet as pq
@@ -143,9 +154,9 @@ def check_own_prompts(r, work, subs, before):
 
 def check_plan(r, work, subs, before):
     """`opd plan` prints each phase's memory and the peak, from shapes alone (nothing loaded or published)."""
-    for phase in ("rollout total", "score total", "update total"):
+    for phase in ("rollout total", "score total", "update total", "evaluate total"):
         assert phase in r.stdout, phase
-    assert re.search(r"peak [\d.]+ GiB \((rollout|score|update)\)", r.stdout), r.stdout
+    assert re.search(r"peak [\d.]+ GiB \((rollout|score|update|evaluate)\)", r.stdout), r.stdout
     _published_nothing(work, before)
 
 
@@ -259,6 +270,8 @@ EXPECT = {
     "opd run student.name=/models/my-student teacher.name=/models/my-teacher student.keep_layers=0":
         check_models(("/models/my-student", "/models/my-teacher")),
     "opd run data.path=/data/train.parquet data.prompt_key=prompt": check_own_prompts,
+    "opd run teacher.name=/models/other-family objective.name=k1 objective.use_policy_gradient=true "
+    "objective.cross_tokenizer=spans": check_cross,
     "opd plan --profile verl-opd-v0.8-single-gpu-v1 --config builtin:smollm2-360m-1.7b-opd": check_plan,
     "opd inspect default --step 3 --worst 2": check_worst,
     "opd inspect default --uid s0003-p00034-0 --format json": check_uid_json,
@@ -436,13 +449,30 @@ def base(tmp_path_factory, seeded_store) -> dict:
     rows = pa.concat_tables([pq.read_table(pdir / "train.parquet"), pq.read_table(pdir / "eval.parquet")])
     pq.write_table(rows.replace_schema_metadata(None), extra / "train.parquet")
     uid = pq.read_table(d / "artifacts/runs/default/step-0003/rollout.parquet").column("uid")[0].as_py()
+    models["/models/other-family"] = other_family(extra / "other-family")
     hub = fake_hf_cache(extra / "hub", {"HuggingFaceTB/SmolLM2-135M-Instruct": models["/models/my-student"],
                                         "HuggingFaceTB/SmolLM2-360M-Instruct": models["/models/my-teacher"]})
     subs = {"/models/my-student": str(models["/models/my-student"]),
             "/models/my-teacher": str(models["/models/my-teacher"]),
+            "/models/other-family": str(models["/models/other-family"]),
             "/data/train.parquet": str(extra / "train.parquet"), "s0003-p00034-0": uid}
     assert set(subs) == set(PLACEHOLDERS)
     return {"dir": d, "subs": subs, "hub": hub}
+
+
+def other_family(d: Path) -> Path:
+    """A model dir of another family: conf/arch/tiny-cross-teacher.json's random weights with the small
+    byte-level BPE of tests/cross_tokenizers.py."""
+    import torch
+    from cross_tokenizers import bpe_tokenizer_dir
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    spec = {k: v for k, v in json.loads((ROOT / "conf/arch/tiny-cross-teacher.json").read_text()).items()
+            if k != "_comment"}
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec)).save_pretrained(d)
+    AutoTokenizer.from_pretrained(bpe_tokenizer_dir(d.parent / "other-tokenizer")).save_pretrained(d)
+    return d
 
 
 def fresh_copy(src: Path, dst: Path) -> Path:

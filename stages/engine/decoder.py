@@ -250,7 +250,8 @@ def fused_layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act):
         return layer(x, r, w, kv, cos, sin, mask, slots, H, KV, D, eps, act, attention=kernel_attend)
     x = x.view(B * T, E)
     qkv = kernels.project(x, w["qkv"], w["ln1"], w["qkv_bias"], None, eps, False)  # [B*T, (H+2KV)*D]
-    if T == 1 and not decode_attention.usable(T, mask, x.dtype, x.device, D):  # (decode_kernels ':sdpa')
+    # (decode_kernels ':sdpa'; rope_cache, like rope_attention, needs a power-of-two head dim: else `attend`)
+    if T == 1 and D & (D - 1) == 0 and not decode_attention.usable(T, mask, x.dtype, x.device, D):
         q = kernels.rope_cache(qkv, cos, sin, w["q_norm"], w["k_norm"], kv, slots, H, KV, eps)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, enable_gqa=KV != H)
         o = o.transpose(1, 2).reshape(B * T, H * D)

@@ -47,6 +47,11 @@ def supported(model) -> str | None:
     mtype = getattr(base.config, "model_type", "?")
     if mtype not in SUPPORTED:
         return f"architecture {mtype!r} has no fast decode path"
+    # the functional decoder adds the q/k/v biases (Qwen2's) only: an o_proj or MLP bias (attention_bias
+    # of Llama and Qwen3, mlp_bias) would be dropped, sampling another model than the student
+    if any(decoder.bias_of(p) is not None for layer in base.model.layers
+           for p in (layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)):
+        return "a bias on o_proj or the MLP projections (attention_bias / mlp_bias): the fast path adds q/k/v biases only"
     if (getattr(base, "is_quantized", False) or getattr(base, "hf_quantizer", None) is not None) and \
             not all(decoder.is_nf4(m) for n, m in base.model.layers.named_modules()
                     if isinstance(m, torch.nn.Linear) and "lora_" not in n):

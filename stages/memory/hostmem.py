@@ -111,3 +111,74 @@ def process_age_s() -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return round(age, 2) if 0 <= age < 1e7 else None
+
+
+# ---- host memory a run can still take ----
+
+def _meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes (Linux), else {}."""
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[key] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
+    except OSError:
+        pass
+    return out
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _cgroup_headroom() -> int | None:
+    """Bytes this process's memory cgroup (a container's limit) can still take: the limit less what
+    the group uses, its inactive page cache counted as free (the kernel reclaims it first). None
+    without a limit (or where none can be read). cgroup v2, else v1."""
+    groups = {}
+    for line in (_read("/proc/self/cgroup") or "").splitlines():
+        if line.count(":") >= 2:
+            _, ctrls, path = line.split(":", 2)
+            for ctrl in ctrls.split(","):  # ("" is v2's one hierarchy)
+                groups[ctrl] = path
+    for ctrl, root, limit, usage, cache in (("", "/sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"),
+                                            ("memory", "/sys/fs/cgroup/memory", "memory.limit_in_bytes",
+                                             "memory.usage_in_bytes", "total_inactive_file")):
+        if ctrl not in groups:
+            continue
+        # the group's own directory, or (a cgroup namespace: the container sees its group as the root) the root
+        for d in (root + groups[ctrl].rstrip("/"), root):
+            lim, use = _read(f"{d}/{limit}"), _read(f"{d}/{usage}")
+            if lim is None or use is None:
+                continue
+            lim = lim.strip()
+            if lim == "max" or not lim.isdigit() or int(lim) >= 1 << 60:  # (v1 writes "no limit" as ~2^63)
+                return None
+            stat = dict(ln.split()[:2] for ln in (_read(f"{d}/memory.stat") or "").splitlines() if " " in ln)
+            free = int(lim) - int(use.strip()) + int(stat.get(cache, 0))
+            return max(0, min(free, int(lim)))
+    return None
+
+
+def available() -> tuple[int, str] | None:
+    """(bytes, where the figure comes from) of host memory this process can still use without the
+    kernel swapping or killing it: the kernel's MemAvailable (free memory + what it can reclaim),
+    lowered to a cgroup limit's headroom (a container), plus the free heap this process's malloc
+    keeps for reuse (`keep_freed_memory`: the kernel counts it as used, the process reuses it). None
+    where the kernel does not say (not Linux)."""
+    info = _meminfo()
+    if "MemAvailable" not in info:
+        return None
+    avail, total = info["MemAvailable"], info.get("MemTotal", 0)
+    what = f"detected: host memory available now, of {total / 2**30:.2f} GiB RAM"
+    group = _cgroup_headroom()
+    if group is not None and group < avail:
+        avail, what = group, f"detected: headroom under this cgroup's memory limit, of {total / 2**30:.2f} GiB RAM"
+    return avail + (free_heap_bytes() or 0), what

@@ -1,5 +1,6 @@
-"""The memory model of a training step: what each phase (rollout, score, update) holds under a
-placement, in bytes, from the models' shapes and our config (weight-free; stages/memory/plan.py chooses).
+"""The memory model of a run: what each phase (a training step's rollout, score, update; and
+evaluate) holds under a placement, in bytes, from the models' shapes and our config (weight-free;
+stages/memory/plan.py chooses).
 
 What each phase holds (steady state, step >= 2; bytes; s = bytes of the compute dtype):
   rollout  student weights + LoRA (fp32) + the engine's weights (s) + static KV cache
@@ -14,6 +15,16 @@ What each phase holds (steady state, step >= 2; bytes; s = bytes of the compute 
            scratch t * (2H + 3I) * 4 or the loss chunk 4 * chunk * V * 4, whichever is larger
            (eager); a captured update's pool holds its activations and backward scratch together,
            across phases, and the loss chunk comes on top
+  evaluate what the loop keeps (student, its LoRA state and engine, teacher, graph pools) + the
+           teacher's greedy engine, kept for the whole evaluation (fused q/k/v and gate/up copies,
+           `plain_engine_bytes`) + one at a time: each role's greedy decode of the E = data.num_eval
+           held-out prompts at once (KV cache 2 * layers * E * kv_heads * (P + eval.max_new_tokens)
+           * head_dim * s + the larger of prefill and sampling buffers; CUDA graphs: kept in the
+           engine's pool), then the held-out KL: both roles' hidden states [E * max_new, H] + the
+           larger of a forward over the E answers and a KL chunk 5 * eval.chunk * V * 4 (teacher
+           and student log-softmax, exp, difference, product; fp32). Every placement holds both
+           roles here (stages/evaluate.py: the teacher's accessor brings it back beside the
+           student, and its greedy engine keeps its copies on the device); shared_backbone, one copy
 The student's LoRA grads and AdamW moments (2 x fp32) stay resident between steps, as does the
 engine's copy (q/k/v and gate/up fused, targeted o/down merged); with memory.merge_in_place there is
 no copy on the device (the engine merges into the student's own weights and restores them from host memory). Under resident every phase also
@@ -36,12 +47,14 @@ from .shapes import (
     forward_bytes,
     head_copy_bytes,
     lora_params,
+    plain_engine_bytes,
     pristine_bytes,
     saved_per_token_layer,
     weight_bytes,
 )
 
-PHASES = ("rollout", "score", "update")
+PHASES = ("rollout", "score", "update", "evaluate")
+LOOP = PHASES[:3]  # a training step's phases
 ENGINE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}  # stages/engine/sampler.py SUPPORTED (no torch import here)
 ENV_TOOL_TOKENS = 32  # assumed tokens of one tool message per turn (env rollouts): the env decides
 
@@ -107,6 +120,60 @@ def workload(x: Ctx) -> dict:
             "chunk": min(cfg.train.chunk, n_sel), "vocab": x.S.vocab, "cuda_graphs": graphs}
 
 
+def eval_workload(x: Ctx) -> dict:
+    """Evaluation's shapes (stages/evaluate.py): every held-out prompt (at most data.num_eval) in one
+    greedy batch, then teacher-forced over prompt + answer; on CUDA padded to the forward bucket
+    (at least the run's forward length, Session.forward_length)."""
+    cfg = x.cfg
+    E, P, N = cfg.data.num_eval, cfg.data.max_prompt_tokens, cfg.eval.max_new_tokens
+    graphs = x.device == "cuda" and cfg.rollout.cuda_graphs
+    T = max(_bucket(P + cfg.rollout.max_new_tokens), _bucket(P + N)) if x.device == "cuda" else P + N
+    n = E * N
+    return {"prompts": E, "prompt_tokens": P, "prompt_bucket": -(-P // 16) * 16 if graphs else P, "new_tokens": N,
+            "tokens": E * T, "response_positions": n, "chunk": min(cfg.eval.chunk, n), "cuda_graphs": graphs}
+
+
+def _bucket(n: int) -> int:
+    return -(-n // FORWARD_BUCKET) * FORWARD_BUCKET
+
+
+def engine_runs(sh: Shape, quant: str) -> bool:
+    """The fast engine samples from this model (stages/engine/sampler.py `supported`), else the
+    transformers fallback (int8, other architectures)."""
+    return sh.model_type in ENGINE_TYPES and quant in ("none", "nf4")
+
+
+def decode_bytes(sh: Shape, B: int, Pb: int, N: int, s: int, top_p: float = 1.0) -> dict:
+    """One fast-engine generate of B prompts (padded to Pb) for N new tokens: its static KV cache,
+    sampling buffers [B, V] (head output + fp32 logits/logp/probs, + the cdf under top-p), the
+    prefill's activations + fp32 attention scores (+ k/v repeated for GQA's math SDPA), a decode
+    step's scratch."""
+    L = Pb + N
+    gqa = 2 * B * sh.heads * L * sh.head_dim * s if sh.heads != sh.kv_heads else 0  # math SDPA repeats k/v
+    return {"kv": 2 * sh.layers * B * sh.kv_heads * L * sh.head_dim * s,
+            "pick": B * sh.vocab * (s + 16 + (21 if top_p < 1 else 0)),
+            "prefill": B * Pb * (2 * sh.hidden + 3 * sh.inter) * s + 2 * B * sh.heads * Pb * L * 4 + gqa,
+            "step": gqa + B * (2 * sh.hidden + 3 * sh.inter) * s}
+
+
+def _greedy(role: str, sh: Shape, quant: str, fast: bool, e: dict, s: int) -> list:
+    """Evaluation's greedy answers of one role, all held-out prompts at once."""
+    B, P, Pb, N = e["prompts"], e["prompt_tokens"], e["prompt_bucket"], e["new_tokens"]
+    if fast:
+        d = decode_bytes(sh, B, Pb, N, s)
+        kv = f"KV cache [{sh.layers}, 2, {B}, {sh.kv_heads}, {Pb + N}, {sh.head_dim}]"
+        if e["cuda_graphs"]:  # captured at this shape; the pool stays while the engine does
+            return [(role, f"captured greedy decode of {B} held-out prompts (graph pool, kept): {kv} + the larger "
+                     "scratch", d["kv"] + d["pick"] + max(d["prefill"], d["step"]), False)]
+        return [(role, f"greedy decode of {B} held-out prompts: {kv} + the larger of prefill and sampling buffers",
+                 d["kv"] + max(d["prefill"], d["pick"]), True)]
+    kv = 2 * sh.layers * B * sh.kv_heads * (P + N) * sh.head_dim * s
+    return [(role, f"greedy decode of {B} held-out prompts (transformers): dynamic KV cache + prefill logits "
+             f"[{B}, {P}, {sh.vocab}] + the larger of prefill activations and sampling buffers",
+             kv + B * P * sh.vocab * s + max(forward_bytes(sh, B * P, s), B * sh.vocab * (s + 16))
+             + dequant_bytes(sh, quant, B * P, s), True)]
+
+
 def _label(quant: str, dq: bool, dtype: str) -> str:
     return {"none": dtype, "nf4": "nf4 + double quant" if dq else "nf4", "int8": "int8"}[quant]
 
@@ -129,9 +196,8 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
             ("student", "LoRA grads (fp32, kept from the last update)", lora, False),
             ("student", "AdamW moments (2 x fp32, resident between steps)", 2 * lora, False)]
     L = Pb + N
-    kv = 2 * S.layers * B * S.kv_heads * L * S.head_dim * s
-    pick = B * V * (s + 16 + (21 if cfg.rollout.top_p < 1 else 0))  # head output + fp32 logits/logp/probs/cdf
-    gqa = 2 * B * S.heads * L * S.head_dim * s if S.heads != S.kv_heads else 0  # math SDPA repeats k/v
+    d = decode_bytes(S, B, Pb, N, s, cfg.rollout.top_p)
+    kv, pick, prefill = d["kv"], d["pick"], d["prefill"]  # (activations + attention scores)
     if not x.engine:
         eng = []
     elif in_place(x):  # the student's own weights: on CUDA no copy, unless LoRA targets the head (a merged copy);
@@ -146,32 +212,34 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
                 + ("; every projection dequantized from NF4)" if sq == "nf4" else ")"),
                 engine_copy_bytes(S, cfg.lora, s, dense=sq == "nf4"), False)]
     big = max(i * o for i, o in S.proj().values())
-    prefill = B * Pb * (2 * S.hidden + 3 * S.inter) * s + 2 * B * S.heads * Pb * L * 4 + gqa  # activations + scores
+    remerge = []
     if x.engine and w["cuda_graphs"]:  # the captured prefill and decode step keep their static state and pool
         eng.append(("student", f"captured prefill + decode graphs (one pool): static KV cache [{S.layers}, 2, "
                     f"{B}, {S.kv_heads}, {L}, {S.head_dim}] + the larger of the two scratches",
-                    kv + pick + max(prefill, gqa + B * (2 * S.hidden + 3 * S.inter) * s), False))
-        if sq != "nf4" and not moves:  # the captured LoRA re-merge (sampler.Engine.refresh) keeps its scratch
-            eng.append(("student", "captured LoRA re-merge (graph pool: fp32 merge of one projection)",
-                        3 * big * 4, False))
+                    kv + pick + max(prefill, d["step"]), False))
+        if sq != "nf4":  # the captured LoRA re-merge (sampler.Engine.refresh) keeps its scratch (not under swap)
+            remerge = [("student", "captured LoRA re-merge (graph pool: fp32 merge of one projection)",
+                        3 * big * 4, False)]
+    eng_kept, eng = eng + remerge, eng + ([] if moves else remerge)  # (evaluate keeps the engine whatever moves)
     teach = [("teacher", "weights: the student's base (shared, counted once)", 0, False)] if shared else \
         [("teacher", f"weights ({_label(tq, tdq, x.dtype)})", weight_bytes(T, tq, tdq, s), False)]
     # CUDA graphs of the teacher-forced forwards: each graph's pool keeps its forward's memory at
     # fixed addresses while the role stays on the device, so every phase holds it; under swap a role's
     # graphs are freed before each move (its own phase holds about what eager does: the capture's
     # passes, one at a time)
-    graphed = set() if moves else graphed_roles(cfg, x.device)
+    graphed_all = graphed_roles(cfg, x.device)  # (under swap the loop's phases hold none: `t_pool`, `s_pool`)
     t_fwd = forward_bytes(T, t, s) + t * T.hidden * s  # the teacher's forward activations + hidden states
     a, scratch = saved_per_token_layer(S, cfg.lora, s), t * (2 * S.hidden + 3 * S.inter) * 4
     saved = t * (S.layers * a + 4 * S.hidden)  # the student's saved activations (update)
     ckpt = getattr(cfg.train, "activation_checkpointing", False)
     ck_inputs = t * (S.layers * S.hidden * s + 4 * S.hidden)  # checkpointed: each layer keeps only its input
-    t_pool = [("teacher", "captured scoring forward (graph pool: activations + hidden states)", t_fwd, False)] \
-        if "teacher" in graphed else []
+    t_pool_all = [("teacher", "captured scoring forward (graph pool: activations + hidden states)", t_fwd, False)] \
+        if "teacher" in graphed_all else []
     held, what = (ck_inputs + t * a, "checkpointed layer inputs + one layer recomputed") if ckpt else \
         (saved, "saved activations")
-    s_pool = [("student", f"captured update forward + backward (graph pool: {what} + backward scratch)",
-               held + scratch, False)] if "student" in graphed else []
+    s_pool_all = [("student", f"captured update forward + backward (graph pool: {what} + backward scratch)",
+                   held + scratch, False)] if "student" in graphed_all else []
+    t_pool, s_pool = ([], []) if moves else (t_pool_all, s_pool_all)
     out: dict[str, list] = {}
 
     ro = stud + eng + ([] if moves else teach)
@@ -215,6 +283,32 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
             + f" + hidden-state grad [{n}, H]", (5 if full else 4) * c * V * 4 + n * S.hidden * s, True),
            ("student", "quantized matmul scratch", dequant_bytes(S, sq, t, s), False)]
     out["update"] = up
+
+    # evaluate (stages/evaluate.py): the loop's holdings stay (every placement: see the docstring), the
+    # teacher's greedy engine stays for the whole evaluation; greedy answers of the teacher, then of
+    # policy 0 and policy K, one after another, then the held-out KL of each
+    e = eval_workload(x)
+    te, ne, ce = e["tokens"], e["response_positions"], e["chunk"]
+    t_fast = engine_runs(T, tquant)
+    ev = stud + eng_kept + teach + t_pool_all + s_pool_all
+    if t_fast:
+        ev.append(("teacher", "evaluation's greedy engine weights (fused q/k/v, gate/up"
+                   + ("; every projection dequantized from NF4)" if tquant == "nf4" else ")"),
+                   plain_engine_bytes(T, s, dense=tquant == "nf4"), False))
+    ev += _greedy("teacher", T, tquant, t_fast, e, s) + _greedy("student", S, sq, x.engine, e, s)
+    fwd = {"teacher": forward_bytes(T, te, s) + te * T.hidden * s,  # activations + hidden states
+           "student": forward_bytes(S, te, s) + te * S.hidden * s}
+    for role in ("teacher", "student"):  # a captured no-grad forward at evaluation's shape keeps its pool
+        if role in graphed_all:
+            ev.append((role, f"captured held-out forward ({te} tokens; graph pool, kept): activations + hidden "
+                       "states", fwd[role], False))
+    loose = [fwd[r] for r in ("teacher", "student") if r not in graphed_all]
+    ev += [("student", f"held-out KL: both roles' hidden states [{ne}, H] + the larger of "
+            + ("a forward's activations + hidden states and " if loose else "")
+            + f"a KL chunk [{ce}, {V}] fp32 x5", ne * (T.hidden + S.hidden) * s + max(loose + [5 * ce * V * 4]), True),
+           ("teacher", "quantized matmul scratch", dequant_bytes(T, tquant, te, s), False),
+           ("student", "quantized matmul scratch", dequant_bytes(S, sq, te, s), False)]
+    out["evaluate"] = ev
 
     return {ph: [i for i in items if i[2] or "shared" in i[1]] for ph, items in out.items()}
 

@@ -1,4 +1,5 @@
-"""Memory at run time: the budget, model placement between phases, and the OOM retry of a phase.
+"""Memory at run time: the budget, which placements a config can run, model placement between phases,
+and the OOM retry of a phase.
 
 Placements (`memory.placement`, chosen weight-free by `opd plan`, stages/memory/plan.py):
 - resident: both roles stay on the device for the whole loop (nothing moves).
@@ -47,6 +48,43 @@ def limit_process(vram_gib: float | None, device: torch.device) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, vram_gib * GIB / total), index)
+
+
+# ---- which placements a config can run (weight-free: `opd plan` and the session ask here) ----
+
+BASE_KEYS = ("name", "revision", "init", "keep_layers", "quant", "double_quant", "trust_remote_code", "tokenizer")
+
+
+def refusal(cfg, placement: str) -> str | None:
+    """Why `placement` cannot run this config (None: it can). Weight-free."""
+    if placement in ("swap", "shared_backbone") and cfg.memory.merge_in_place:
+        return (f"memory.placement={placement} with memory.merge_in_place=true: "
+                + ("swap moves the student to host memory and back, which would undo its weights' fused layout"
+                   if placement == "swap" else "the teacher reads the student's base while a rollout has "
+                   "the LoRA merged into it") + "; use memory.placement=resident or memory.merge_in_place=false")
+    if placement == "swap":
+        for role in ("student", "teacher"):
+            q = getattr(cfg, role).quant
+            if q != "none":
+                return (f"memory.placement=swap: {role}.quant={q} is a bitsandbytes-quantized role whose weights "
+                        f"cannot move to host memory and back; use memory.placement=resident (or {role}.quant=none)")
+    if placement == "shared_backbone":
+        diff = [k for k in BASE_KEYS if getattr(cfg.student, k, None) != getattr(cfg.teacher, k, None)]
+        if diff:
+            d = ", ".join(f"student.{k}={getattr(cfg.student, k)!r} vs teacher.{k}={getattr(cfg.teacher, k)!r}"
+                          for k in diff)
+            return (f"memory.placement=shared_backbone needs the teacher to be the student's base, but the bases "
+                    f"differ ({d}); use memory.placement=resident or swap")
+        if getattr(cfg, "teacher_mode", "raw") == "protocol_sft":
+            return ("memory.placement=shared_backbone: teacher_mode=protocol_sft gives the teacher its own adapter; "
+                    "a shared backbone here only disables the student's; use memory.placement=resident or swap")
+    return None
+
+
+def check_placement(cfg, placement: str) -> None:
+    why = refusal(cfg, placement)
+    if why:
+        raise UserError(why)
 
 
 # ---- shared backbone: the student's base with its LoRA disabled ----

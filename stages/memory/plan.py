@@ -1,8 +1,15 @@
 """`opd plan`: a weight-free memory plan. Reads only the models' config files (config.json, the
 embedded GGUF's header, conf/arch/*.json) and our config, estimates the peak memory of every phase
-under every placement, picks one (memory.placement=auto) and refuses an infeasible plan naming
-the settings that would make it fit. `--probe` (CUDA) puts measured peaks beside the estimates.
-The per-phase memory model is stages/memory/phases.py.
+(the training step's and evaluate's) under every placement, picks one (memory.placement=auto) and
+refuses an infeasible plan naming the settings that would make it fit. `--probe` (CUDA) puts
+measured peaks beside the estimates. The per-phase memory model is stages/memory/phases.py.
+
+A run consults the same plan before any weights load (`decide`). On CUDA an infeasible plan is a
+warning (the estimate is an estimate; OOM retries and swap still apply). On the CPU the device is
+host memory, where nothing retries: the kernel swaps or kills the process, so a planned peak past
+the host memory available now is refused and one within HOST_BAND of it is a warning
+(`host_check`, which `opd plan` notes and `opd doctor` reports). memory.vram_gib sets that budget
+instead.
 """
 from __future__ import annotations
 
@@ -11,48 +18,14 @@ import math
 import sys
 
 from ..errors import UserError
-from .placement import GIB, device_total
-from .phases import ENV_TOOL_TOKENS, Ctx, in_place, phase_total, phases, workload
+from . import hostmem
+from .placement import GIB, check_placement, device_total, refusal
+from .phases import ENV_TOOL_TOKENS, LOOP, Ctx, eval_workload, graphed_roles, in_place, phase_total, phases, workload
 from .shapes import lora_params, pristine_bytes, shape_of, weight_bytes
 
 PLACEMENTS = ("resident", "swap", "shared_backbone")
-
-
-# ---- placements ----
-
-BASE_KEYS = ("name", "revision", "init", "keep_layers", "quant", "double_quant", "trust_remote_code", "tokenizer")
-
-
-def refusal(cfg, placement: str) -> str | None:
-    """Why `placement` cannot run this config (None: it can). Weight-free."""
-    if placement in ("swap", "shared_backbone") and cfg.memory.merge_in_place:
-        return (f"memory.placement={placement} with memory.merge_in_place=true: "
-                + ("swap moves the student to host memory and back, which would undo its weights' fused layout"
-                   if placement == "swap" else "the teacher reads the student's base while a rollout has "
-                   "the LoRA merged into it") + "; use memory.placement=resident or memory.merge_in_place=false")
-    if placement == "swap":
-        for role in ("student", "teacher"):
-            q = getattr(cfg, role).quant
-            if q != "none":
-                return (f"memory.placement=swap: {role}.quant={q} is a bitsandbytes-quantized role whose weights "
-                        f"cannot move to host memory and back; use memory.placement=resident (or {role}.quant=none)")
-    if placement == "shared_backbone":
-        diff = [k for k in BASE_KEYS if getattr(cfg.student, k, None) != getattr(cfg.teacher, k, None)]
-        if diff:
-            d = ", ".join(f"student.{k}={getattr(cfg.student, k)!r} vs teacher.{k}={getattr(cfg.teacher, k)!r}"
-                          for k in diff)
-            return (f"memory.placement=shared_backbone needs the teacher to be the student's base, but the bases "
-                    f"differ ({d}); use memory.placement=resident or swap")
-        if getattr(cfg, "teacher_mode", "raw") == "protocol_sft":
-            return ("memory.placement=shared_backbone: teacher_mode=protocol_sft gives the teacher its own adapter; "
-                    "a shared backbone here only disables the student's; use memory.placement=resident or swap")
-    return None
-
-
-def check_placement(cfg, placement: str) -> None:
-    why = refusal(cfg, placement)
-    if why:
-        raise UserError(why)
+# CPU: a planned peak within this fraction of the host memory budget is a warning (past it: refused)
+HOST_BAND = 0.15
 
 
 def _evaluate(x: Ctx) -> dict:
@@ -65,7 +38,8 @@ def _evaluate(x: Ctx) -> dict:
         ph = phases(x, p)
         tot = {name: phase_total(items) for name, items in ph.items()}
         worst = max(tot, key=tot.get)
-        res[p] = {"phases": ph, "totals": tot, "peak": tot[worst], "peak_phase": worst}
+        res[p] = {"phases": ph, "totals": tot, "peak": tot[worst], "peak_phase": worst,
+                  "loop": max(tot[name] for name in LOOP)}
     return res
 
 
@@ -88,8 +62,14 @@ def _choose(cfg, ev: dict, usable: float) -> tuple[str, str]:
                            "nothing moves")
             return p, (f"resident needs {g('resident'):.2f} GiB > {usable / GIB:.2f} usable; swap keeps one role "
                        f"on the device at a time (peak {g(p):.2f} GiB)")
-    best = min(ok, key=g)
-    return best, f"nothing fits {usable / GIB:.2f} GiB usable; {best} needs the least ({g(best):.2f} GiB)"
+    # the least peak; of equal ones (evaluate holds both roles under every placement) the first whose
+    # training loop fits, else the one with the least loop
+    tied = [p for p in ok if ev[p]["peak"] == min(ev[q]["peak"] for q in ok)]
+    best = next((p for p in tied if ev[p]["loop"] <= usable), min(tied, key=lambda p: ev[p]["loop"]))
+    loop = ev[best]["loop"] / GIB
+    return best, (f"nothing fits {usable / GIB:.2f} GiB usable; {best} needs the least ({g(best):.2f} GiB"
+                  + (f"; its training loop {loop:.2f} GiB fits, {ev[best]['peak_phase']} does not)"
+                     if ev[best]["loop"] <= usable else ")"))
 
 
 # ---- the plan ----
@@ -106,9 +86,20 @@ def _target(cfg) -> tuple[str, str, int]:
 
 
 def _budget(cfg, device: str) -> tuple[int, str]:
+    """The plan's budget: memory.vram_gib, else the CUDA device's total or the host's RAM (the
+    machine's, whatever other processes hold now: `host_budget` is the run's check)."""
     if cfg.memory.vram_gib is not None:
         return int(cfg.memory.vram_gib * GIB), "memory.vram_gib"
     return device_total(device)
+
+
+def host_budget(cfg) -> tuple[int, str]:
+    """What a CPU run checks its planned peak against before any weights load: memory.vram_gib, else
+    the host memory available now (hostmem.available: what other processes leave this one), else
+    (the kernel cannot say) the host's RAM."""
+    if cfg.memory.vram_gib is not None:
+        return int(cfg.memory.vram_gib * GIB), "memory.vram_gib"
+    return hostmem.available() or device_total("cpu")
 
 
 def _ctx(cfg, shapes: dict) -> Ctx:
@@ -156,6 +147,17 @@ def _variants(cfg):
         bs.append([("rollout.batch_size", b)])
         b //= 2
     yield "batch", bs
+    # evaluate: its KL chunk (the same numbers), then fewer held-out prompts at once
+    ec, c = [], cfg.eval.chunk // 2
+    while c >= max(1, cfg.memory.chunk_floor):
+        ec.append([("eval.chunk", c)])
+        c //= 2
+    yield "eval_chunk", ec
+    ne, n = [], cfg.data.num_eval // 2
+    while n >= 1:
+        ne.append([("data.num_eval", n)])
+        n //= 2
+    yield "eval_prompts", ne
 
 
 def _best_peak(cfg, shapes: dict, usable: float) -> tuple[float, str]:
@@ -239,6 +241,7 @@ def estimate(cfg, shapes: dict | None = None) -> dict:
             continue
         placements[p] = {
             "peak_gib": _gib(r["peak"]), "peak_phase": r["peak_phase"], "feasible": r["peak"] <= usable,
+            "loop_peak_gib": _gib(r["loop"]),
             "phases": {ph: {"total_gib": _gib(r["totals"][ph]),
                             "items": [{"role": ro, "component": what, "gib": _gib(b), "bytes": int(b),
                                        "one_at_a_time": alt} for ro, what, b, alt in items]}
@@ -247,7 +250,8 @@ def estimate(cfg, shapes: dict | None = None) -> dict:
              "each rollout merges the LoRA into the student's own weights, one projection at a time (fp32 scratch)"
              if in_place(x) else
              "after each update the engine re-merges in place, one projection at a time (fp32 scratch)",
-             "evaluate is not planned: it holds both roles' weights (no gradients, no optimizer)"]
+             f"evaluate: the {cfg.data.num_eval} held-out prompts (data.num_eval) in one greedy batch; the "
+             "teacher's greedy engine stays for the whole evaluation; every placement holds both roles there"]
     if cfg.memory.placement == "swap" and x.device == "cpu":
         notes.append("on CPU the device is host memory: swap moves nothing")
     if getattr(getattr(cfg, "env", None), "name", None):
@@ -272,7 +276,8 @@ def estimate(cfg, shapes: dict | None = None) -> dict:
             can_ck = not cfg.train.activation_checkpointing
             can_ip = _could_merge_in_place(cfg)
             tries = [c for c, ok in (([ck], can_ck), ([ip], can_ip), ([ck, ip], can_ck and can_ip)) if ok]
-            gain = {ck: "the checkpointed update replays a captured graph", ip: "the engine keeps no merged copy"}
+            gain = {ck: "the checkpointed update replays a captured graph" if "student" in graphed_roles(cfg, "cuda")
+                    else "the checkpointed update recomputes each layer", ip: "the engine keeps no merged copy"}
             for changes in tries:
                 t = _try(cfg, changes + [("memory.placement", "resident")], shapes, usable)
                 if t["fits"]:
@@ -284,32 +289,88 @@ def estimate(cfg, shapes: dict | None = None) -> dict:
         notes.append("host RAM figures are tensors only: the Python process itself (libraries) comes on top")
     out = {
         "device": x.device, "dtype": x.dtype, "budget_gib": _gib(budget), "budget_source": source,
-        "margin": cfg.memory.margin, "usable_gib": _gib(usable), "models": models_out, "workload": workload(x),
+        "margin": cfg.memory.margin, "usable_gib": _gib(usable), "models": models_out,
+        "workload": workload(x), "evaluate_workload": eval_workload(x),
         "placement": {"requested": cfg.memory.placement, "chosen": chosen, "why": why},
         "placements": placements, "phases": placements[chosen]["phases"],
-        "peak_gib": _gib(sel["peak"]), "peak_phase": sel["peak_phase"], "headroom_gib": _gib(usable - sel["peak"]),
+        "peak_gib": _gib(sel["peak"]), "peak_phase": sel["peak_phase"], "loop_peak_gib": _gib(sel["loop"]),
+        "headroom_gib": _gib(usable - sel["peak"]),
         "feasible": sel["peak"] <= usable, "suggestions": [], "notes": notes,
     }
     if not out["feasible"]:
         out["suggestions"] = suggestions(cfg, shapes, usable)
+    if x.device == "cpu":  # what `opd run` (and `opd doctor`) decide from this plan now
+        out["host_check"] = host_check(cfg, out, shapes)
+        h = out["host_check"]
+        notes.append(f"`opd run` checks the peak against the host memory available when it starts: now "
+                     f"{h['budget_gib']:.2f} GiB ({h['budget_source']}): "
+                     + (h["message"] if h["verdict"] != "ok" else
+                        f"fits (refused past it, a warning within {h['band']:.0%} of it)"))
     return out
 
 
-def decide(cfg) -> tuple[str, str]:
-    """(placement, why) for a run, before any weights load: a refused placement is an error; an
-    infeasible plan is a warning (the estimate is an estimate; OOM retries and swap still apply)."""
+def decide(cfg, defer: bool = False) -> tuple[str, str] | None:
+    """(placement, why) for a run, before any weights load: a refused placement is an error; on CUDA
+    an infeasible plan is a warning (the estimate is an estimate; OOM retries and swap still apply);
+    on the CPU a peak past the host memory available is an error and one near it a warning
+    (`host_check`). defer: None where the plan cannot be made yet (shapes unreadable before prepare
+    fetched the models' config files): the session decides after prepare."""
     if cfg.memory.placement != "auto":
         check_placement(cfg, cfg.memory.placement)
     try:
         est = estimate(cfg)
     except UserError as e:  # shapes unreadable (an unusual architecture): the plan cannot decide
+        if defer:
+            return None
         if cfg.memory.placement != "auto":
             return cfg.memory.placement, "requested"
         print(f"warning: no memory plan ({e}); placement resident", file=sys.stderr)
         return "resident", "no plan"
-    if not est["feasible"]:
+    if est["device"] == "cpu":
+        h = est["host_check"]
+        if h["verdict"] == "refuse":
+            raise UserError(h["message"])
+        if h["verdict"] == "warn":
+            print(f"warning: {h['message']}", file=sys.stderr)
+    elif not est["feasible"]:
         print(f"warning: {infeasible_message(est)}", file=sys.stderr)
     return est["placement"]["chosen"], est["placement"]["why"]
+
+
+def preflight(cfg) -> tuple[str, str] | None:
+    """`opd run` before prepare: on the CPU `decide` now, before any weights are read or written (None
+    where shapes are unreadable yet); on CUDA None: the session decides at its first model load."""
+    return decide(cfg, defer=True) if _target(cfg)[0] == "cpu" else None
+
+
+def host_check(cfg, est: dict, shapes: dict | None = None) -> dict:
+    """CPU: the planned peak against the host memory budget (`host_budget`: available now, or
+    memory.vram_gib). verdict "refuse" past the budget, "warn" within HOST_BAND of it (or
+    memory.margin, if larger), else "ok"; the message names the settings that would clear the band."""
+    b, source = host_budget(cfg)
+    budget, peak = b / GIB, est["peak_gib"]
+    band = max(HOST_BAND, cfg.memory.margin)
+    out = {"budget_gib": _gib(b), "budget_source": source, "band": band, "verdict": "ok", "message": ""}
+    near = (1 - band) * budget
+    if peak <= near:
+        return out
+    sug = suggestions(cfg, {} if shapes is None else shapes, near * GIB)
+    fixes = _fixes(sug)
+    what = f"planned host memory peak {peak:.2f} GiB ({est['peak_phase']}, placement {est['placement']['chosen']})"
+    have = f"{budget:.2f} GiB " + ("(memory.vram_gib)" if source == "memory.vram_gib" else
+                                   f"available ({source.removeprefix('detected: ')})")
+    if peak > budget:
+        tried = f"; even {_overrides(sug[0]['set'])} needs {sug[0]['peak_gib']:.2f} GiB" if sug and not fixes else ""
+        out.update(verdict="refuse", message=(
+            f"{what} > {have}; " + (f"fits with: {fixes}" if fixes else "no change tried fits (nf4, chunk, batch "
+                                    "size, held-out prompts)" + tried + "; use a smaller pair or a larger machine")
+            + "; to run anyway set memory.vram_gib to the GiB this run may take (checked instead of what is "
+            "available now)"))
+    else:
+        out.update(verdict="warn", message=(
+            f"{what} is within {band:.0%} of the {have}: another process, or the estimate's error, can exhaust it"
+            + (f"; more room with: {fixes}" if fixes else "")))
+    return out
 
 
 def _overrides(changes: dict) -> str:
@@ -317,12 +378,16 @@ def _overrides(changes: dict) -> str:
     return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items())
 
 
+def _fixes(sug: list[dict]) -> str:
+    return "; ".join(f"{_overrides(s['set'])} ({s['peak_gib']:.2f} GiB, {s['placement']})" for s in sug if s["fits"])
+
+
 def infeasible_message(est: dict) -> str:
     sug = est["suggestions"]
-    fix = "; ".join(f"{_overrides(s['set'])} ({s['peak_gib']:.2f} GiB, {s['placement']})" for s in sug if s["fits"])
+    fix = _fixes(sug)
     tried = "" if fix or not sug else f"; even {_overrides(sug[0]['set'])} needs {sug[0]['peak_gib']:.2f} GiB"
     return (f"plan infeasible: peak {est['peak_gib']:.2f} GiB ({est['peak_phase']}, placement "
             f"{est['placement']['chosen']}) > {est['usable_gib']:.2f} GiB usable of {est['budget_gib']:.2f} GiB "
             f"({est['budget_source']}, memory.margin {est['margin']}); "
-            + (f"fits with: {fix}" if fix else "no change tried fits (chunk, nf4, swap, batch size)" + tried
-               + "; use a smaller pair or a larger device"))
+            + (f"fits with: {fix}" if fix else "no change tried fits (chunk, nf4, swap, batch size, held-out "
+               "prompts)" + tried + "; use a smaller pair or a larger device"))

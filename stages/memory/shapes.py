@@ -160,8 +160,8 @@ def model_config(mcfg, role: str) -> tuple[dict, str]:
     name = mcfg.name
     if name.startswith("arch:"):
         return models.arch_config(name[5:]), f"conf/arch/{name[5:]}.json"
-    if name == "embedded":
-        p = models.gguf_path()
+    if name == "embedded" or (g := models.gguf_file(name)) is not None:
+        p = models.gguf_path() if name == "embedded" else g
         return gguf_config(p), f"{p.name} (GGUF header)"
     p = Path(name)
     if not p.is_dir():
@@ -245,6 +245,13 @@ def engine_copy_bytes(sh: Shape, lora, s: int, dense: bool = False) -> int:
     tg, proj = targets(sh, lora), sh.proj()
     n = sh.layers * sum(i * o for name, (i, o) in proj.items() if dense or name in FUSED or name in tg)
     return n * s + head_copy_bytes(sh, lora, s)
+
+
+def plain_engine_bytes(sh: Shape, s: int, dense: bool = False) -> int:
+    """A fast engine over a model without LoRA (evaluation's greedy teacher): only q/k/v and gate/up
+    are copied (fused); o/down and the head are the model's own. dense: an NF4 base, every
+    projection dequantized into a copy."""
+    return sh.layers * sum(i * o for name, (i, o) in sh.proj().items() if dense or name in FUSED) * s
 
 
 def head_copy_bytes(sh: Shape, lora, s: int) -> int:

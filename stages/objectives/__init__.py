@@ -29,6 +29,9 @@ REGISTRY = {
     "bucketed_topk_tail": bucketed_topk_tail,
     "exact_full_vocab": exact_full_vocab,
 }
+# objectives that run span-wise across two tokenizers (objective.cross_tokenizer=spans): the sampled-
+# token ones, whose log-probabilities add up over a span's tokens (stages/objectives/spans.py)
+SPAN_WISE = frozenset(estimators.NAMES) | {"pg_k1_rewarded"}
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # objectives that read `divergence`; elsewhere a non-default value would be silently ignored
 _HAS_DIVERGENCE = ("bucketed_topk_tail", "exact_full_vocab")
@@ -44,6 +47,11 @@ class Chunk:
     topk_logprobs: Optional[torch.Tensor] = None  # [n, k] float32
     advantages: Optional[torch.Tensor] = None  # [n] float32, task-reward advantage (pg_k1_rewarded)
     teacher_logits: Optional[torch.Tensor] = None  # [n, V] float32 (exact_full_vocab only)
+    # cross-tokenizer runs (stages/objectives/spans.py): each position's span within the chunk [n]
+    # int64, its offset within that span [n] int64, and log p_T of the chunk's spans [S] float32
+    span_ids: Optional[torch.Tensor] = None
+    span_offsets: Optional[torch.Tensor] = None
+    span_teacher_logprobs: Optional[torch.Tensor] = None
 
 
 def get(name: str):

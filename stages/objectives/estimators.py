@@ -15,6 +15,7 @@ import torch
 
 from ..errors import UserError
 from ._common import check_pg, clamp_loss, ppo_per_token, sampled_logprob
+from .spans import compared
 
 NEEDS = {"teacher_logprobs"}
 NAMES = ("k1", "k2", "mse", "k3", "low_var_kl", "abs")
@@ -45,9 +46,11 @@ def check(cfg, source: str = "config") -> None:
 
 def per_token(chunk, cfg):
     logp = sampled_logprob(chunk)  # [n]
-    est = clamp_loss(estimate(logp, chunk.teacher_logprobs.float(), cfg.name), cfg)  # [n]
-    diag = {"kl_estimate": est.detach()}
+    s_lp, t_lp, share = compared(logp, chunk)  # [n]: the position's own token, or its span (cross-tokenizer)
+    est = clamp_loss(estimate(s_lp, t_lp, cfg.name), cfg)  # [n]
+    counted = est if share is None else est * share  # a span's estimate counted once over its positions
+    diag = {"kl_estimate": counted.detach()}
     if not cfg.use_policy_gradient:
-        return est, diag
+        return counted, diag
     loss, pg_diag = ppo_per_token(logp, chunk.old_logprobs, -est.detach(), cfg)
     return loss, {**diag, **pg_diag}

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import UserError
 from ._common import check_pg, clamp_loss, ppo_per_token, sampled_logprob
+from .spans import compared
 
 # "advantages": the update must fill chunk.advantages from the rollout's rewards (reward_advantages)
 NEEDS = {"teacher_logprobs", "advantages"}
@@ -39,11 +40,13 @@ def per_token(chunk, cfg):
     if chunk.advantages is None:
         raise ValueError("pg_k1_rewarded needs chunk.advantages (task-reward advantage per position)")
     logp = sampled_logprob(chunk)  # [n]
-    k1 = clamp_loss(logp - chunk.teacher_logprobs.float(), cfg)  # [n]
+    s_lp, t_lp, share = compared(logp, chunk)  # [n]: the position's own token, or its span (cross-tokenizer)
+    k1 = clamp_loss(s_lp - t_lp, cfg)  # [n]
     distill, pg_diag = ppo_per_token(logp, chunk.old_logprobs, -k1.detach(), cfg)
     task, _ = ppo_per_token(logp, chunk.old_logprobs, chunk.advantages.float(), cfg)
     loss = cfg.reward_coef * task + cfg.distill_coef * distill
-    diag = {"kl_estimate": k1.detach(), "task_advantage": chunk.advantages.detach().float(), **pg_diag}
+    kl = k1.detach() if share is None else k1.detach() * share  # a span's estimate counted once
+    diag = {"kl_estimate": kl, "task_advantage": chunk.advantages.detach().float(), **pg_diag}
     return loss, diag
 
 

@@ -87,6 +87,9 @@ class ObjectiveCfg:
     divergence: str = "forward"  # forward | reverse | jsd
     # exact_full_vocab guard: positions x vocab elements per chunk
     full_vocab_limit: int = 50_000_000
+    # off: student and teacher share one tokenizer (prepare refuses a pair that does not). spans: the
+    # teacher may have its own; its tokens are aligned to the student's on byte spans (stages/align.py)
+    cross_tokenizer: str = "off"
 
 
 @dataclass
@@ -172,7 +175,9 @@ class RuntimeCfg:
 class MemoryCfg:
     """Memory budget and model placement (stages/memory/plan.py, stages/memory/placement.py). Nothing here changes what
     is computed, so none of it is part of any stage digest."""
-    vram_gib: Optional[float] = None  # the budget in GiB; null = detected (CUDA device total, or host RAM on CPU)
+    # the budget in GiB; null = detected: the CUDA device's total; on CPU the host RAM for `opd plan`, and
+    # the memory available now for a run's check before it loads anything
+    vram_gib: Optional[float] = None
     placement: str = "auto"  # auto (the plan decides) | resident | swap | shared_backbone
     margin: float = 0.1  # fraction of the budget kept free (CUDA context, allocator fragmentation, estimate error)
     chunk_floor: int = 16  # a CUDA OOM in score/update halves the position chunk down to this, then errors

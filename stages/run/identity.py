@@ -47,7 +47,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           "prepare"),
     # data.path / data.eval_path are read only as "set or not": the files' content hashes (rows,
     # eval_rows) are the inputs, so the same file at another path is the same stage (`_data`)
-    Stage("prepared", 1, ("data", "env", "objective.topk"), ("student", "teacher", "rows", "eval_rows"), "prepare"),
+    Stage("prepared", 1, ("data", "env", "objective.topk", "objective.cross_tokenizer"),
+          ("student", "teacher", "rows", "eval_rows"), "prepare"),
     Stage("prompts", 1, ("data",), ("tokenizer", "rows", "eval_rows"), "prepare"),
     Stage("tasks", 1, ("env.name", "env.split", "env.num_train", "env.num_test", "env.seed"), ("tokenizer",),
           "prepare"),
@@ -59,16 +60,20 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           ("policy", "prompts", "student", "tasks"), "train"),
     # score 2: position selection (`selected` column). Of the objective it reads only what the teacher
     # must record (objectives.needs: the name) and how many top-k entries; the rest is the update's
-    Stage("score", 2, ("objective.name", "objective.topk", "train.chunk", "selection", "rollout.temperature",
-                       "teacher_mode", "teacher.quant", "teacher.double_quant") + RUNTIME,
-          ("rollout", "teacher", "teacher_adapter"), "train"),
+    # align: cross-tokenizer runs only (objective.cross_tokenizer=spans); torch-free and device-free,
+    # so no runtime: the student's responses re-tokenized by the teacher, aligned on byte spans
+    Stage("align", 1, ("objective.cross_tokenizer", "data.max_prompt_tokens", "data.truncation", "data.prompt_key"),
+          ("rollout", "prompts", "student", "teacher"), "train"),
+    Stage("score", 2, ("objective.name", "objective.topk", "objective.cross_tokenizer", "train.chunk", "selection",
+                       "rollout.temperature", "teacher_mode", "teacher.quant", "teacher.double_quant") + RUNTIME,
+          ("rollout", "teacher", "teacher_adapter", "align"), "train"),
     # update 3: reads both (`reward`, `selected`)
     Stage("update", 3, ("objective", "optim", "lora", "train.chunk", "rollout.temperature",
                         "train.activation_checkpointing", "student.quant", "student.double_quant") + RUNTIME,
-          ("policy", "rollout", "score", "student"), "train"),
+          ("policy", "rollout", "score", "student", "align"), "train"),
     # evaluate 2: eval.json adds the answers (non-blank share, distinct bigrams) and the side-by-side samples;
     # 3: task accuracy per role and the flipped prompts (eval.json), score and checker (samples.parquet)
-    Stage("evaluate", 3, ("eval", "train.updates", "rollout.cuda_graphs") + RUNTIME,
+    Stage("evaluate", 3, ("eval", "train.updates", "rollout.cuda_graphs", "objective.cross_tokenizer") + RUNTIME,
           ("initial", "final", "prompts", "teacher", "teacher_adapter", "student"), "evaluate"),
     Stage("tooleval", 1, ("env.max_turns", "env.max_tokens_per_turn", "rollout.cuda_graphs") + RUNTIME,
           ("policy", "policy_stage", "tasks", "student"), None),
@@ -131,8 +136,10 @@ def prepared(cfg: Config, files: dict[str, str], student: str, teacher: str) -> 
     """The checks and records of prepare; `files`: content hashes of the prompt rows (rows, eval_rows)."""
     c = reads(cfg, "prepared")
     _declared("prepared", files)
-    return make("prepared", {**slice_of(c, "env", "objective.topk"), "data": _data(c), **files},
-                {"student": student, "teacher": teacher})
+    s = {**slice_of(c, "env", "objective.topk"), "data": _data(c), **files}
+    if c.objective.cross_tokenizer != "off":  # its checks and record differ; the key only then (digests unchanged)
+        s["objective.cross_tokenizer"] = c.objective.cross_tokenizer
+    return make("prepared", s, {"student": student, "teacher": teacher})
 
 
 def prompts(cfg: Config, tokenizer_fp: str, files: dict[str, str]) -> str:
@@ -251,6 +258,18 @@ class Chain:
             self._memo[key] = make("rollout", s, inputs)
         return self._memo[key]
 
+    def align(self, k: int) -> str:
+        """rollout(k)'s responses in the teacher's tokens, aligned on byte spans (cross-tokenizer runs)."""
+        key = ("align", k)
+        if key not in self._memo:
+            c = reads(self.cfg, "align")
+            s = slice_of(c, "objective.cross_tokenizer", "data.max_prompt_tokens", "data.truncation",
+                         "data.prompt_key")
+            self._memo[key] = make("align", s, {"rollout": self.rollout(k), "prompts": self.prepared["prompts"],
+                                                "student": self.prepared["student"],
+                                                "teacher": self.prepared["teacher"]})
+        return self._memo[key]
+
     def score(self, k: int) -> str:
         key = ("score", k)
         if key not in self._memo:
@@ -262,7 +281,11 @@ class Chain:
             if c.teacher_mode != "raw":  # keys added only then: raw-teacher digests unchanged
                 s["teacher_mode"] = c.teacher_mode
             s.update(quant(c, "teacher"))
-            self._memo[key] = make("score", s, {"rollout": self.rollout(k), **self.teacher_inputs()})
+            inputs = {"rollout": self.rollout(k), **self.teacher_inputs()}
+            if ob.cross_tokenizer != "off":  # the teacher reads the aligned tokens (same rule: others unchanged)
+                s["cross_tokenizer"] = ob.cross_tokenizer
+                inputs["align"] = self.align(k)
+            self._memo[key] = make("score", s, inputs)
         return self._memo[key]
 
     def update(self, k: int) -> str:
@@ -273,9 +296,12 @@ class Chain:
                          "train.activation_checkpointing")
             s.update(step=k, runtime=self.runtime())
             s.update(quant(c, "student"))
-            self._memo[key] = make("update", s, {
-                "policy": self.policy(k - 1), "rollout": self.rollout(k), "score": self.score(k),
-                "student": self.prepared["student"]})
+            inputs = {"policy": self.policy(k - 1), "rollout": self.rollout(k), "score": self.score(k),
+                      "student": self.prepared["student"]}
+            if s["objective"].pop("cross_tokenizer") != "off":  # key and input only then: other digests unchanged
+                s["objective"]["cross_tokenizer"] = c.objective.cross_tokenizer
+                inputs["align"] = self.align(k)
+            self._memo[key] = make("update", s, inputs)
         return self._memo[key]
 
     def _engine_graphs(self, c):
@@ -296,6 +322,8 @@ class Chain:
         s = slice_of(c, "eval")
         s["runtime"] = self.runtime()
         s = self._with_engine_graphs(s, c)  # it samples greedy answers with the rollout engine
+        if c.objective.cross_tokenizer != "off":  # measured on aligned spans; the key only then
+            s["objective.cross_tokenizer"] = c.objective.cross_tokenizer
         K = c.train.updates
         return make("evaluate", s, {"initial": self.policy(0), "final": self.policy(K),
                                     "prompts": self.prepared["prompts"], **self.teacher_inputs(),

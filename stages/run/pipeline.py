@@ -30,4 +30,4 @@ PIPELINE = {
                f"    outs:\n      - {RUN}/report.html:\n          cache: false\n"),
 }
 STAGES = tuple(PIPELINE)  # dvc.yaml's stages, in order
-STEPS = ("rollout", "score", "update")  # the per-step store stages inside train
+STEPS = ("rollout", "align", "score", "update")  # the per-step store stages inside train (align: cross-tokenizer runs)

@@ -19,6 +19,7 @@ CHOICES = {
     "objective.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "objective.advantage": ("raw", "group_centered", "group_standardized", "leave_one_out"),
     "objective.divergence": ("forward", "reverse", "jsd"),
+    "objective.cross_tokenizer": ("off", "spans"),
     "runtime.device": ("auto", "cpu", "cuda"),
     "runtime.dtype": ("auto", "float32", "bfloat16"),
     "teacher_mode": ("raw", "privileged_context", "protocol_sft"),
@@ -76,10 +77,27 @@ def validate(cfg, source: str = "config"):
         raise UserError(f"{source}: key 'objective.name' = {cfg.objective.name!r}; expected one of "
                         f"{', '.join(sorted(objectives.REGISTRY))}")
     objectives.check(cfg.objective, source)
+    _check_cross_tokenizer(cfg, source)
     _check_tooluse(cfg, source)
     _check_memory(cfg, source)
     selection.check(cfg.selection, source)
     return cfg
+
+
+def _check_cross_tokenizer(cfg, source: str) -> None:
+    """objective.cross_tokenizer=spans: the span-wise objectives, on plain prompts (stages/align.py)."""
+    if cfg.objective.cross_tokenizer == "off":
+        return
+    name = cfg.objective.name
+    if name not in objectives.SPAN_WISE:
+        raise UserError(f"{source}: key 'objective.cross_tokenizer' = 'spans' with objective {name!r}; expected one "
+                        f"of {', '.join(sorted(objectives.SPAN_WISE))} (the others compare per-token distributions "
+                        "over one vocabulary)")
+    for key, bad in (("selection.mode", cfg.selection.mode != "all"), ("env.name", cfg.env.name is not None),
+                     ("sft.steps", cfg.sft.steps > 0)):
+        if bad:
+            raise UserError(f"{source}: key '{key}' = {get(cfg, key)!r} is not supported with "
+                            "objective.cross_tokenizer=spans (single-turn prompts, every position scored)")
 
 
 def _check_memory(cfg, source: str) -> None:

@@ -1,6 +1,7 @@
 """`opd doctor`: is this machine ready to run the pipeline? Versions of the libraries it needs,
 CUDA and its memory, the embedded model, a writable artifacts dir, and whether the config in use
-(params.yaml, or conf/ + overrides) asks for anything the machine lacks.
+(params.yaml, or conf/ + overrides) asks for anything the machine lacks, memory included: the
+weight-free memory plan's verdict, the one `opd run` acts on (stages/memory/plan.py `decide`).
 
 Each check is ok, warn (works, but something is degraded or optional is missing) or fail (a
 blocker: the pipeline would stop). Exit status 1 when any check fails, else 0. Nothing here loads
@@ -117,6 +118,33 @@ def check_quant(cfg) -> list[Check]:
                                       "CPU kernels; on a CPU, quantize to fit memory, not for speed)")]
 
 
+def check_memory(cfg) -> list[Check]:
+    """The memory plan of the config, judged as a run judges it before any weights load: on the CPU a
+    peak past the host memory available is a blocker (the run refuses) and one within
+    plan.HOST_BAND of it a warning; on CUDA an infeasible plan is a warning (the run warns, then
+    retries smaller chunks on OOM)."""
+    if cfg is None:
+        return []
+    from ..memory import plan
+
+    try:
+        est = plan.estimate(cfg)
+    except UserError as e:  # shapes unreadable (a model not fetched yet), or a setting the plan refuses
+        return [Check("memory plan", WARN, f"no plan: {e}")]
+    h = est.get("host_check")  # (CPU)
+    if h is not None:
+        if h["verdict"] != "ok":
+            return [Check("memory plan", FAIL if h["verdict"] == "refuse" else WARN, h["message"])]
+        return [Check("memory plan", OK, f"cpu: peak {est['peak_gib']:.2f} GiB ({est['peak_phase']}) of "
+                                         f"{h['budget_gib']:.2f} GiB ({h['budget_source']}); `opd plan` shows each "
+                                         "phase")]
+    if not est["feasible"]:
+        return [Check("memory plan", WARN, plan.infeasible_message(est))]
+    return [Check("memory plan", OK, f"{est['device']}: peak {est['peak_gib']:.2f} GiB ({est['peak_phase']}, "
+                                     f"placement {est['placement']['chosen']}) of {est['usable_gib']:.2f} GiB usable "
+                                     f"({est['budget_source']}); `opd plan` shows each phase")]
+
+
 def check_embedded(cfg) -> Check:
     from ..weights import models
 
@@ -212,6 +240,8 @@ def run(params: str | None = None, overrides: list[str] | None = None) -> list[C
     checks += check_reproducibility()
     checks += check_quant(cfg)
     checks.append(check_embedded(cfg))
+    if not any(c.status == FAIL for c in checks if c.name in ("quantization", "embedded model", "cuda")):
+        checks += check_memory(cfg)  # (a plan for a run that cannot start says nothing more)
     checks += check_artifacts(cfg.artifacts if cfg is not None else "artifacts")
     return checks
 

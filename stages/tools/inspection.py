@@ -75,6 +75,9 @@ def main(args) -> None:
         for label in ("prompt", "response"):
             con.print(f"[bold]{label}[/]")
             con.print(r.get(f"{label}_text", ""), markup=False, highlight=False)
+        if r.get("spans"):  # a cross-tokenizer run: both tokenizations of each span, and its log-probs
+            _spans_table(con, r)
+            continue
         t = Table("pos", "token", "sampled logp", "teacher logp", "gap")
         teacher = r["teacher_logprobs"]
         gaps = [abs(a - b) if a is not None else -1.0 for a, b in zip(teacher, r["sample_logprobs"])] if teacher else []
@@ -86,3 +89,18 @@ def main(args) -> None:
             style = "bold red" if j in worst else None
             t.add_row(str(j), repr(piece), f"{r['sample_logprobs'][j]:.3f}", tl, g, style=style)
         con.print(t)
+
+
+def _spans_table(con, r: dict) -> None:
+    from rich.table import Table
+
+    t = Table("span", "student tokens", "teacher tokens", "student logp", "teacher logp", "gap")
+    teacher, student = r["teacher_logprobs"] or [None] * len(r["spans"]), r["sample_logprobs"]
+    gaps = [abs(a - b) if a is not None else -1.0 for a, b in zip(teacher, student)]
+    worst = set(np.argsort(gaps)[-3:].tolist())
+    for j, sp in enumerate(r["spans"]):
+        tl = f"{teacher[j]:.3f}" if teacher[j] is not None else "-" if sp["exact"] else "(not exact)"
+        g = f"{teacher[j] - student[j]:+.3f}" if teacher[j] is not None else "-"
+        t.add_row(str(j), " ".join(map(repr, sp["student"])), " ".join(map(repr, sp["teacher"])),
+                  f"{student[j]:.3f}", tl, g, style="bold red" if j in worst else None)
+    con.print(t)

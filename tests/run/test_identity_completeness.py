@@ -30,6 +30,9 @@ BASES = {
     "plain": (["objective.name=bucketed_topk_tail", "selection.mode=uniform_budget", "selection.budget=4"],
               {"device": "cpu", "dtype": "float32", "threads": 1}),
     "jsonnav": (["env.name=jsonnav", "env.split=default", *TOOL], {"device": "cpu", "dtype": "float32"}),
+    # a cross-tokenizer run: the align stage joins the loop
+    "cross": (["objective.name=k1", "objective.use_policy_gradient=true", "objective.cross_tokenizer=spans"],
+              {"device": "cpu", "dtype": "float32"}),
 }
 TOKENIZER_FP, ROWS = "f" * 32, {"rows": "e" * 32}  # file contents, not config: held fixed
 # The memory plan the probe's identity is built from (shapes, workload, placement): held fixed, an input
@@ -51,6 +54,7 @@ EXEMPT = {
     ("sft", "optim.lr"): "SFT has its own lr (sft.lr); it declares optim whole so that a new optimizer key joins it",
     ("sft", "optim.warmup_updates"): "SFT has no warmup (as optim.lr)",
     ("evaluate", "train.updates"): "chooses which policy is the final one, an input: in no slice",
+    ("align", "objective.cross_tokenizer"): "its one other value (off) removes the stage from the run",
 }
 
 
@@ -136,6 +140,8 @@ def digests(cfg, runtime: dict) -> dict[str, tuple[str, dict]]:
             out["sft.teacher"] = ch.teacher_adapter()
         for k in (1, 2):
             out[f"rollout.{k}"], out[f"score.{k}"], out[f"update.{k}"] = ch.rollout(k), ch.score(k), ch.update(k)
+            if cfg.objective.cross_tokenizer != "off":
+                out[f"align.{k}"] = ch.align(k)
         out["evaluate"] = ch.evaluate()
         if cfg.env.name:
             out["tooleval"] = ch.tooleval(ch.policy_stage(2), ch.policy(2))

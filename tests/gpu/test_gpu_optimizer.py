@@ -50,7 +50,8 @@ def test_fused_adamw_steps_where_foreach_does():
     named = adapters.make_optimizer(o, m, None)[1]
     start = {n: p.detach().clone() for n, p in named}
     fused = adapters.make_optimizer(o, m, None)[0]
-    ref = torch.optim.AdamW([p for _, p in named], lr=o.lr, foreach=True)
+    ref = torch.optim.AdamW([p for _, p in named], lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                            weight_decay=o.weight_decay, foreach=True)  # (torch's default decay is not ours)
     moved = {}
     for opt in (fused, ref):
         with torch.no_grad():

@@ -271,7 +271,7 @@ EXPECT = {
         check_models(("/models/my-student", "/models/my-teacher")),
     "opd run data.path=/data/train.parquet data.prompt_key=prompt": check_own_prompts,
     "opd run teacher.name=/models/other-family objective.name=k1 objective.use_policy_gradient=true "
-    "objective.cross_tokenizer=spans": check_cross,
+    "objective.cross_tokenizer=spans optim.lr=2e-4": check_cross,
     "opd plan --profile verl-opd-v0.8-single-gpu-v1 --config builtin:smollm2-360m-1.7b-opd": check_plan,
     "opd inspect default --step 3 --worst 2": check_worst,
     "opd inspect default --uid s0003-p00034-0 --format json": check_uid_json,

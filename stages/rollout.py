@@ -2,6 +2,8 @@
 
 Writes rollout.parquet (one row per trajectory, the contract in docs/architecture.md) with the
 sampling log-probs; with a tool environment (env.name), multi-turn episodes (stages/rows/tooluse.py).
+With rollout.sampler=teacher (the off-policy control) the teacher samples them instead, with the same
+settings and seed rule, and sample_logprobs are the teacher's (the behaviour policy's).
 The batch for step k is a deterministic walk over per-epoch permutations of the training prompts,
 so it depends on k and the prompt set only (never on how many updates the run has in total).
 """
@@ -13,6 +15,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from . import envs
+from .engine import sampler
+from .engine.sampling import Sampling
 from .rows import prompts, rewards, tables, tooluse
 from .run.store import seed_of
 from .session import Session, phase
@@ -38,11 +42,17 @@ def run(sess: Session, k: int) -> Path:
         sources = col("data_source", "unknown")
         # rule reward where the prompt row carries reward_model.ground_truth (None: no reward)
         truths = [rewards.ground_truth({"reward_model": r}) for r in col("reward_model", None)]
-        sess.use_policy(k - 1, sample=True)  # engine build counts as input, not sampling
         state: dict = {"stage": "rollout", "step": k, "digest": dig}
+        meta = {}
+        if cfg.rollout.sampler == "teacher":  # the off-policy control: the teacher samples
+            generate = teacher_sampler(sess)
+            state["sampler"] = meta["sampler"] = "teacher"
+        else:
+            sess.use_policy(k - 1, sample=True)  # engine build counts as input, not sampling
+            generate = sess.generate
         io = state["io_s"] = {"inputs": round(time.perf_counter() - t_in, 4)}  # outside the timed phase
         with phase(sess.device, state) as ph:
-            out = sess.generate(pids, cfg.rollout.max_new_tokens, seed_of(dig), min_new=cfg.rollout.min_new_tokens)
+            out = generate(pids, cfg.rollout.max_new_tokens, seed_of(dig), min_new=cfg.rollout.min_new_tokens)
             ph["tokens"] = int(out.lengths.sum())
         t_out = time.perf_counter()
         rows, seen = [], {}
@@ -65,10 +75,29 @@ def run(sess: Session, k: int) -> Path:
             state["reward_mean"] = round(sum(scored) / len(scored), 6)
         table = pa.Table.from_pylist(rows, tables.ROLLOUT)
         io["outputs"] = round(time.perf_counter() - t_out, 4)
-        return sess.hand_on("rollout", dig, "rollout.parquet", table, {}, state)
+        return sess.hand_on("rollout", dig, "rollout.parquet", table, meta, state)
 
     d, _ = sess.store.ensure("rollout", dig, produce, background=sess.background_publish)
     return d
+
+
+def teacher_sampler(sess: Session):
+    """generate(prompt_ids, max_new, seed, min_new) sampling the teacher with the run's Sampling (as
+    Session.generate samples the student): evaluate's machinery, the rollout engine made on the teacher
+    (or the transformers fallback). Built per rollout, before the timed phase, and dropped with it: the
+    engine's merged weight copy and graphs are not kept between steps (the memory plan has no teacher engine)."""
+    sess.activate("teacher")  # placement swap: the student waits in host memory
+    teacher, tok = sess.teacher(), sess.tokenizer()
+    engine = sampler.make(teacher, sess.cfg.rollout.cuda_graphs, sess.compiled_decode, sess.before_capture)
+    kw = dict(eos=tok.eos_token_id, pad=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+              sampling=Sampling.of(sess.cfg.rollout))
+
+    def generate(prompt_ids: list[list[int]], max_new: int, seed: int, min_new: int = 0):
+        if engine is not None:
+            return engine.generate(prompt_ids, max_new, seed=seed, min_new=min_new, **kw)
+        return sampler.hf_generate(teacher, prompt_ids, max_new, seed=seed, min_new=min_new, **kw)
+
+    return generate
 
 
 # ---- multi-turn episodes on a tool environment (env.name set) ----

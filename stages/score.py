@@ -61,6 +61,28 @@ def span_sums(lp: np.ndarray, al: pa.Table) -> pa.Array:
     return pa.array(out, pa.list_(pa.float32()))
 
 
+def student_topk(ids: np.ndarray, tlp: np.ndarray, al: pa.Table, t2s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A cross-tokenizer run's teacher top-k moved onto the student's positions: at each exact span of
+    one token on each side (the same text before it, the same bytes in it), the teacher's candidates
+    whose bytes are a single student token, as student ids (-1 elsewhere, log-prob NaN). ids, tlp
+    [n_t, k] over the teacher's response tokens -> [n_s, k] over the student's (rows end to end)."""
+    k = ids.shape[1]
+    s_rows, t_rows = al.column("student_span").to_pylist(), al.column("teacher_span").to_pylist()
+    n_s = sum(map(len, s_rows))
+    out_ids, out_lp = np.full((n_s, k), -1, np.int32), np.full((n_s, k), np.nan, np.float32)
+    at_s = at_t = 0
+    for ss, ts, ex in zip(s_rows, t_rows, al.column("span_exact").to_pylist()):
+        c_s, c_t = np.bincount(ss, minlength=len(ex)), np.bincount(ts, minlength=len(ex))
+        one = np.flatnonzero(np.asarray(ex, dtype=bool) & (c_s == 1) & (c_t == 1))  # one-token spans
+        ps = at_s + (np.cumsum(c_s) - c_s)[one]  # each such span's student position...
+        pt = at_t + (np.cumsum(c_t) - c_t)[one]  # ...and teacher position
+        cand = ids[pt]  # [m, k] teacher ids (a model's vocabulary may run past its tokenizer's)
+        mapped = np.where(cand < len(t2s), t2s[np.minimum(cand, len(t2s) - 1)], -1)
+        out_ids[ps], out_lp[ps] = mapped, np.where(mapped >= 0, tlp[pt], np.nan)
+        at_s, at_t = at_s + len(ss), at_t + len(ts)
+    return out_ids, out_lp
+
+
 def run(sess: Session, k: int) -> Path:
     dig = sess.score_digest(k)
     cross = sess.cfg.objective.cross_tokenizer != "off"  # the teacher reads its own tokens of the text
@@ -105,10 +127,19 @@ def run(sess: Session, k: int) -> Path:
         cols = {"uid": ro.column("uid"), "teacher_logprobs": lst(pa.array(lp.astype(np.float32))),
                 "teacher_entropy": lst(pa.array(ent.astype(np.float32))),
                 "selected": lst(pa.array(sel.astype(np.int8)))}
+        if kk and cross:  # over the student's positions, in student ids
+            s_bytes, t_bytes, _ = sess.alignment_maps()
+            ids, tlp = student_topk(ids, tlp, al, alignment.vocab_map(t_bytes, s_bytes))
+            s_len = [len(x) for x in al.column("student_span").to_pylist()]
+            offs_s = pa.array(np.r_[0, np.cumsum(s_len)].astype(np.int32))
+            lst_k = lambda flat: pa.ListArray.from_arrays(offs_s, flat)  # noqa: E731
+        else:
+            lst_k = lst
         if kk:
-            cols["topk_ids"] = lst(pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1)), kk))
-            cols["topk_logprobs"] = lst(pa.FixedSizeListArray.from_arrays(pa.array(tlp.reshape(-1)), kk))
-            cols["topk_mass"] = lst(pa.array(np.exp(tlp).sum(-1).astype(np.float32)))
+            cols["topk_ids"] = lst_k(pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1)), kk))
+            cols["topk_logprobs"] = lst_k(pa.FixedSizeListArray.from_arrays(pa.array(tlp.reshape(-1)), kk))
+            mass = np.nansum(np.exp(tlp), -1) if cross else np.exp(tlp).sum(-1)  # (cross: unmapped entries NaN)
+            cols["topk_mass"] = lst_k(pa.array(mass.astype(np.float32)))
         if cross:
             cols["span_logprobs"] = span_sums(lp, al)
         table = pa.Table.from_pydict(cols, tables.scores_schema(kk, spans=cross))

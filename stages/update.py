@@ -26,11 +26,16 @@ from .run.store import fault, write_json
 from .session import Session, phase
 
 
-def load_scores(sess: Session, k: int, topk: int) -> dict:
-    need = {"uid": None, "teacher_logprobs": None, "selected": None}
+def load_scores(sess: Session, k: int, topk: int, cross: bool = False) -> dict:
+    """The teacher's per-position numbers; a cross-tokenizer run's top-k only (over the student's
+    positions, in student ids: score.student_topk)."""
+    need = {"uid": None} if cross else {"uid": None, "teacher_logprobs": None, "selected": None}
     if topk:
         need.update(topk_ids=None, topk_logprobs=None)
     t = sess.table("score", sess.score_digest(k), "scores.parquet", need)
+    if cross:
+        return {"topk_ids": tables.flat(t, "topk_ids", np.int64).reshape(-1, topk),
+                "topk_logprobs": tables.flat(t, "topk_logprobs", np.float32).reshape(-1, topk)}
     # the packed positions are the rows' lists end to end: one flat array each (no split and re-join)
     out = {"teacher_logprobs": tables.flat(t, "teacher_logprobs", np.float32),
            "selected": tables.flat(t, "selected", np.int8).astype(bool)}
@@ -152,7 +157,7 @@ def run(sess: Session, k: int) -> Path:
         spans = None
         if cfg.objective.cross_tokenizer != "off":  # the teacher's numbers are per aligned span
             keep, spans = span_inputs(sess, k)
-            sc = {}
+            sc = load_scores(sess, k, cfg.objective.topk, cross=True) if "topk" in needs else {}
         else:
             sc = load_scores(sess, k, cfg.objective.topk if "topk" in needs else 0)
             keep = sc.pop("selected")

@@ -122,9 +122,9 @@ def test_refusals_are_one_line_with_exit_code_2(bpe, tmp_path):
     r = opd("run", *same, cwd=tmp_path, check=False)
     assert r.returncode == 2 and "tokenizer mismatch" in r.stderr and "objective.cross_tokenizer=spans" in r.stderr
     assert len([ln for ln in r.stderr.splitlines() if ln.startswith("error")]) == 1
-    r = opd("run", *args(bpe, "objective.name=forward_kl_topk", "objective.use_policy_gradient=false"), cwd=tmp_path,
+    r = opd("run", *args(bpe, "objective.name=exact_full_vocab", "objective.use_policy_gradient=false"), cwd=tmp_path,
             check=False)
-    assert r.returncode == 2 and "objective.cross_tokenizer" in r.stderr and "forward_kl_topk" in r.stderr
+    assert r.returncode == 2 and "objective.cross_tokenizer" in r.stderr and "exact_full_vocab" in r.stderr
 
 
 def test_the_verl_bundle_refuses_a_cross_tokenizer_run(ran, bpe, tmp_path):
@@ -134,3 +134,23 @@ def test_the_verl_bundle_refuses_a_cross_tokenizer_run(ran, bpe, tmp_path):
     compat = json.loads((tmp_path / "bundle" / "compat.json").read_text())
     assert not compat["launchable"] and any(d["key"] == "objective.cross_tokenizer" and d["blocking"]
                                             for d in compat["deviations"])
+
+
+def test_the_teacher_top_k_moves_to_one_token_spans_in_student_ids():
+    """score.student_topk: only exact spans of one token on each side carry candidates, mapped through
+    the byte map (-1 where the student has no such token); other positions stay empty."""
+    import pyarrow as pa
+
+    from stages.score import student_topk
+
+    al = pa.table({"student_span": [[0, 1, 1, 2], [0]], "teacher_span": [[0, 1, 2, 2], [0]],
+                   "span_exact": [[1, 1, 0], [1]]}).append_column("uid", pa.array(["a", "b"]))
+    # row a: span 0 one token each side (exact); span 1 two student tokens, one teacher token; span 2
+    # one student token against two teacher tokens, not exact; row b: one exact one-token span
+    ids = np.array([[3, 4], [5, 6], [7, 8], [9, 3], [4, 5]])  # [n_t = 5, k = 2]
+    tlp = np.log(np.array([[.5, .2], [.4, .3], [.6, .1], [.5, .5], [.7, .2]])).astype(np.float32)
+    t2s = np.array([-1, -1, -1, 30, -1, 50, 60, 70, 80, 90], dtype=np.int32)  # teacher id -> student id
+    got_ids, got_lp = student_topk(ids, tlp, al, t2s)
+    assert got_ids.tolist() == [[30, -1], [-1, -1], [-1, -1], [-1, -1], [-1, 50]]
+    assert got_lp[0, 0] == tlp[0, 0] and np.isnan(got_lp[0, 1]) and got_lp[4, 1] == tlp[4, 1]
+    assert np.isnan(got_lp[1:4]).all()

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..errors import UserError
-from . import bucketed_topk_tail, estimators, exact_full_vocab, forward_kl_topk, pg_k1_rewarded
+from . import bucketed_topk_tail, estimators, exact_full_vocab, forward_kl_topk, nll, pg_k1_rewarded
 from .pg_k1_rewarded import reward_advantages
 
 REGISTRY = {
@@ -28,10 +28,12 @@ REGISTRY = {
     "pg_k1_rewarded": pg_k1_rewarded,
     "bucketed_topk_tail": bucketed_topk_tail,
     "exact_full_vocab": exact_full_vocab,
+    "nll": nll,  # SFT on the sampled tokens: with rollout.sampler=teacher, the off-policy control
 }
 # objectives that run span-wise across two tokenizers (objective.cross_tokenizer=spans): the sampled-
-# token ones, whose log-probabilities add up over a span's tokens (stages/objectives/spans.py)
-SPAN_WISE = frozenset(estimators.NAMES) | {"pg_k1_rewarded"}
+# token ones, whose log-probabilities add up over a span's tokens (stages/objectives/spans.py), and
+# forward_kl_topk, exact at one-token spans and the span's k1 elsewhere
+SPAN_WISE = frozenset(estimators.NAMES) | {"pg_k1_rewarded", "forward_kl_topk"}
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # objectives that read `divergence`; elsewhere a non-default value would be silently ignored
 _HAS_DIVERGENCE = ("bucketed_topk_tail", "exact_full_vocab")

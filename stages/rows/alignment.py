@@ -15,6 +15,7 @@ import re
 from bisect import bisect_left
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 
 from ..errors import UserError
@@ -111,6 +112,17 @@ def special_map(s_tok, t_tok) -> dict[int, int]:
     if s_tok.eos_token_id is not None and t_tok.eos_token_id is not None:
         out[s_tok.eos_token_id] = t_tok.eos_token_id
     return out
+
+
+def vocab_map(t_bytes: list[bytes | None], s_bytes: list[bytes | None]):
+    """[len(t_bytes)] int32: each teacher id's student id of the very same bytes, -1 where the student
+    has no single token spelling it (or for a special token): how the teacher's top-k candidates at
+    a one-token span become student ids (exact matching, as TRL's GOLD does)."""
+    by = {}
+    for i, b in enumerate(s_bytes):
+        if b is not None and b not in by:
+            by[b] = i
+    return np.array([by.get(b, -1) if b is not None else -1 for b in t_bytes], dtype=np.int32)
 
 
 @dataclass(frozen=True)

@@ -49,12 +49,12 @@ def scores_schema(k: int, spans: bool = False) -> pa.Schema:
     """k = 0: the objective needs no top-k, so those columns are absent. spans: a cross-tokenizer run's
     (stages/align.py): the per-position columns are over the teacher's own response tokens, and
     span_logprobs holds log p_teacher of each aligned span (NaN where the span is not exact)."""
-    if spans:
-        return pa.schema([("uid", pa.string()), ("teacher_logprobs", pa.list_(pa.float32())),
-                          ("teacher_entropy", pa.list_(pa.float32())), ("selected", pa.list_(pa.int8())),
-                          ("span_logprobs", pa.list_(pa.float32()))])
     topk = [("topk_ids", pa.list_(pa.list_(pa.int32(), k))), ("topk_logprobs", pa.list_(pa.list_(pa.float32(), k))),
             ("topk_mass", pa.list_(pa.float32()))] if k else []
+    if spans:  # (top-k columns here: per *student* position, ids mapped to the student's: score.student_topk)
+        return pa.schema([("uid", pa.string()), ("teacher_logprobs", pa.list_(pa.float32())),
+                          ("teacher_entropy", pa.list_(pa.float32())), ("selected", pa.list_(pa.int8())),
+                          ("span_logprobs", pa.list_(pa.float32())), *topk])
     # selected: 1 where the position reached the LM head (stages/run/selection.py); elsewhere the
     # per-position values are NaN (top-k ids -1): never scored
     return pa.schema([("uid", pa.string()), ("teacher_logprobs", pa.list_(pa.float32())), *topk,

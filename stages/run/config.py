@@ -63,6 +63,9 @@ class RolloutCfg:
     temperature: float = 1.0  # 0: greedy (argmax); log-probs are then of the untempered distribution
     top_p: float = 1.0
     cuda_graphs: bool = True
+    # student: policy k-1 samples rollout(k) (on-policy distillation). teacher: the teacher samples it with
+    # the same settings and seed rule (with objective nll: SFT on teacher samples, the off-policy control)
+    sampler: str = "student"
 
 
 @dataclass

@@ -54,10 +54,10 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           "prepare"),
     Stage("init", 2, ("lora",), ("student",), "train"),
     Stage("sft", 1, ("sft", "optim", "lora", "train.chunk") + RUNTIME, ("parent", "model", "tasks"), "train"),
-    # rollout 2: `reward` column
-    Stage("rollout", 2, ("rollout", "data.max_prompt_tokens", "data.truncation", "student.quant",
-                         "student.double_quant", "env", "train.seed") + RUNTIME,
-          ("policy", "prompts", "student", "tasks"), "train"),
+    # rollout 2: `reward` column. rollout.sampler=teacher: the teacher samples (its quant, no policy)
+    Stage("rollout", 2, ("rollout", "data.max_prompt_tokens", "data.truncation", *(f"{r}.{q}" for r in (
+          "student", "teacher") for q in ("quant", "double_quant")), "env", "train.seed") + RUNTIME,
+          ("policy", "prompts", "student", "tasks", "teacher", "teacher_adapter"), "train"),
     # score 2: position selection (`selected` column). Of the objective it reads only what the teacher
     # must record (objectives.needs: the name) and how many top-k entries; the rest is the update's
     # align: cross-tokenizer runs only (objective.cross_tokenizer=spans); torch-free and device-free,
@@ -245,11 +245,16 @@ class Chain:
             else:
                 s["rollout"]["cuda_graphs"] = g
             s.update(step=k, runtime=self.runtime())
-            s.update(quant(c, "student"))
-            if c.student.quant == "nf4":  # sampled by the engine from a dense copy (no longer transformers')
+            # who samples: the student at policy k-1, or (rollout.sampler=teacher, the off-policy control)
+            # the teacher, which no policy reaches: its identity replaces the policy's. The key only then
+            role = s["rollout"].pop("sampler")
+            s.update(quant(c, role))
+            if getattr(c, role).quant == "nf4":  # sampled by the engine from a dense copy (no longer transformers')
                 s["engine"] = "nf4-dequantized"
-            inputs = {"policy": self.policy(k - 1), "prompts": self.prepared["prompts"],
-                      "student": self.prepared["student"]}
+            inputs = {"prompts": self.prepared["prompts"], "student": self.prepared["student"],
+                      **({"policy": self.policy(k - 1)} if role == "student" else self.teacher_inputs())}
+            if role != "student":
+                s["sampler"] = role
             if c.env.name:  # multi-turn episodes: keys added only here, single-turn digests unchanged
                 e = slice_of(c, "env")["env"]
                 e.pop("num_test")  # held-out tasks only

@@ -20,6 +20,7 @@ CHOICES = {
     "objective.advantage": ("raw", "group_centered", "group_standardized", "leave_one_out"),
     "objective.divergence": ("forward", "reverse", "jsd"),
     "objective.cross_tokenizer": ("off", "spans"),
+    "rollout.sampler": ("student", "teacher"),
     "runtime.device": ("auto", "cpu", "cuda"),
     "runtime.dtype": ("auto", "float32", "bfloat16"),
     "teacher_mode": ("raw", "privileged_context", "protocol_sft"),
@@ -78,6 +79,7 @@ def validate(cfg, source: str = "config"):
                         f"{', '.join(sorted(objectives.REGISTRY))}")
     objectives.check(cfg.objective, source)
     _check_cross_tokenizer(cfg, source)
+    _check_sampler(cfg, source)
     _check_tooluse(cfg, source)
     _check_memory(cfg, source)
     selection.check(cfg.selection, source)
@@ -91,13 +93,26 @@ def _check_cross_tokenizer(cfg, source: str) -> None:
     name = cfg.objective.name
     if name not in objectives.SPAN_WISE:
         raise UserError(f"{source}: key 'objective.cross_tokenizer' = 'spans' with objective {name!r}; expected one "
-                        f"of {', '.join(sorted(objectives.SPAN_WISE))} (the others compare per-token distributions "
-                        "over one vocabulary)")
+                        f"of {', '.join(sorted(objectives.SPAN_WISE))} (the others compare whole distributions over "
+                        "one vocabulary)")
     for key, bad in (("selection.mode", cfg.selection.mode != "all"), ("env.name", cfg.env.name is not None),
                      ("sft.steps", cfg.sft.steps > 0)):
         if bad:
             raise UserError(f"{source}: key '{key}' = {get(cfg, key)!r} is not supported with "
                             "objective.cross_tokenizer=spans (single-turn prompts, every position scored)")
+
+
+def _check_sampler(cfg, source: str) -> None:
+    """rollout.sampler=teacher, the off-policy control: SFT (objective nll) on single-turn teacher samples.
+    Every other objective is an estimator over the student's own samples, wrong on the teacher's."""
+    if cfg.rollout.sampler == "student":
+        return
+    if cfg.objective.name != "nll":
+        raise UserError(f"{source}: key 'rollout.sampler' = 'teacher' needs objective.name=nll (it is "
+                        f"{cfg.objective.name!r}: the others are on-policy estimators, wrong on teacher samples)")
+    if cfg.env.name is not None:
+        raise UserError(f"{source}: key 'env.name' = {cfg.env.name!r} is not supported with rollout.sampler=teacher "
+                        "(the teacher samples single-turn prompts only; set env.name=null)")
 
 
 def _check_memory(cfg, source: str) -> None:

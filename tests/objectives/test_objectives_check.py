@@ -8,7 +8,7 @@ from stages.errors import UserError
 from _objective_batch import CONFIGS, cfg_for
 
 NAMES = {"forward_kl_topk", "k1", "k2", "mse", "k3", "low_var_kl", "abs", "pg_k1_rewarded",
-         "bucketed_topk_tail", "exact_full_vocab"}
+         "bucketed_topk_tail", "exact_full_vocab", "nll"}
 
 
 def test_registry_names_and_interface():
@@ -20,7 +20,7 @@ def test_registry_names_and_interface():
 @pytest.mark.parametrize("name,needs", [
     ("forward_kl_topk", {"topk"}), ("bucketed_topk_tail", {"topk"}), ("exact_full_vocab", {"full"}),
     ("k1", {"teacher_logprobs"}), ("k3", {"teacher_logprobs"}), ("abs", {"teacher_logprobs"}),
-    ("pg_k1_rewarded", {"teacher_logprobs", "advantages"}),
+    ("pg_k1_rewarded", {"teacher_logprobs", "advantages"}), ("nll", set()),
 ])
 def test_needs(name, needs):
     assert O.needs(ObjectiveCfg(name=name)) == needs
@@ -36,6 +36,7 @@ def test_valid_configs_pass(key):
     (dict(name="pg_k1_rewarded"), "objective.use_policy_gradient"),
     (dict(name="bucketed_topk_tail", use_policy_gradient=True), "objective.use_policy_gradient"),
     (dict(name="exact_full_vocab", use_policy_gradient=True), "objective.use_policy_gradient"),
+    (dict(name="nll", use_policy_gradient=True), "objective.use_policy_gradient"),
     (dict(name="bucketed_topk_tail", divergence="jsd", jsd_beta=0.0), "objective.jsd_beta"),
     (dict(name="exact_full_vocab", divergence="jsd", jsd_beta=1.0), "objective.jsd_beta"),
     (dict(name="forward_kl_topk", divergence="reverse"), "objective.divergence"),

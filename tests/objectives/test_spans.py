@@ -94,3 +94,53 @@ def test_compared_with_one_tokenizer_is_the_token_itself():
     ch = objectives.Chunk(student_logits=logits, sampled_ids=ids, old_logprobs=old, teacher_logprobs=t_lp)
     s, t, share = compared(old, ch)
     assert s is old and torch.equal(t, t_lp) and share is None
+
+
+def _topk_chunk(logits, ids, old, topk_ids, topk_lp, spans=None):
+    leaf = logits.clone().requires_grad_(True)
+    ch = objectives.Chunk(student_logits=leaf, sampled_ids=ids, old_logprobs=old, topk_ids=topk_ids,
+                          topk_logprobs=topk_lp)
+    if spans:
+        ch.span_ids, ch.span_offsets, ch.span_teacher_logprobs = spans
+    return leaf, ch
+
+
+@pytest.mark.parametrize("pg", [False, True])
+def test_forward_kl_topk_at_one_token_spans_is_the_same_tokenizer_objective(pg):
+    """Every span one token, every candidate carried over: the exact term everywhere, bit for bit."""
+    cfg = ObjectiveCfg(name="forward_kl_topk", use_policy_gradient=pg)
+    logits, ids, old, t_lp, _ = batch()
+    n, k = len(ids), 4
+    topk_ids = torch.randint(0, logits.shape[1], (n, k), generator=torch.Generator().manual_seed(3))
+    topk_lp = torch.log_softmax(torch.randn(n, k), -1) - 0.5
+    out = []
+    for spans in (None, (torch.arange(n), torch.zeros(n, dtype=torch.long), t_lp)):
+        leaf, ch = _topk_chunk(logits, ids, old, topk_ids, topk_lp, spans)
+        loss, diag = objectives.get(cfg.name).per_token(ch, cfg)
+        loss.sum().backward()
+        out.append((loss.detach(), leaf.grad))
+        if spans:
+            assert diag["topk_exact"].eq(1).all()
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+def test_forward_kl_topk_without_carried_candidates_takes_the_span_term():
+    """Candidates with no student id (-1) drop out of the sum; a position with none left takes its
+    span's k1 policy gradient, as the k1 objective computes it."""
+    cfg = ObjectiveCfg(name="forward_kl_topk")
+    logits, ids, old, t_lp, _ = batch(n=6)
+    sid, off = torch.tensor([0, 0, 1, 2, 2, 2]), torch.tensor([0, 1, 0, 0, 1, 2])
+    t_span = torch.tensor([-1.0, -2.0, -0.5])
+    topk_ids = torch.full((6, 3), -1)
+    topk_ids[2] = torch.tensor([5, -1, 7])  # the one-token span: two candidates carried over
+    topk_lp = torch.full((6, 3), float("nan"))
+    topk_lp[2] = torch.tensor([-0.5, -1.0, -2.0])
+    _, ch = _topk_chunk(logits, ids, old, topk_ids, topk_lp, (sid, off, t_span))
+    loss, diag = objectives.get(cfg.name).per_token(ch, cfg)
+    assert diag["topk_exact"].tolist() == [0, 0, 1, 0, 0, 0]
+    s_lp = torch.log_softmax(logits, -1)
+    want2 = sum(torch.exp(torch.tensor(t)) * (t - s_lp[2, i]) for i, t in ((5, -0.5), (7, -2.0)))
+    assert torch.allclose(loss[2], want2.clamp_min(0), rtol=1e-6)
+    k1_loss, _, _ = run(PG, logits, ids, old, None, None, (sid, off, t_span))
+    keep = torch.tensor([True, True, False, True, True, True])
+    assert torch.allclose(loss.detach()[keep], k1_loss[keep], rtol=1e-6)

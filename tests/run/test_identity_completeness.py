@@ -33,6 +33,9 @@ BASES = {
     # a cross-tokenizer run: the align stage joins the loop
     "cross": (["objective.name=k1", "objective.use_policy_gradient=true", "objective.cross_tokenizer=spans"],
               {"device": "cpu", "dtype": "float32"}),
+    # the off-policy control: the teacher samples (an NF4 teacher, so that its quant keys reach the rollout)
+    "offpolicy": (["rollout.sampler=teacher", "objective.name=nll", "teacher.quant=nf4"],
+                  {"device": "cpu", "dtype": "float32"}),
 }
 TOKENIZER_FP, ROWS = "f" * 32, {"rows": "e" * 32}  # file contents, not config: held fixed
 # The memory plan the probe's identity is built from (shapes, workload, placement): held fixed, an input

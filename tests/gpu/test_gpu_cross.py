@@ -21,8 +21,10 @@ def computed(d) -> set[str]:
     return {e for e in published(d / "artifacts") if e.split("/")[0] in COMPUTED}
 
 
-def test_a_cross_tokenizer_run_on_cuda_replays_byte_for_byte(bpe, tmp_path):  # noqa: F811
-    run = [*args(bpe), "runtime.device=cuda"]
+@pytest.mark.parametrize("objective", [["objective.name=k1"], ["objective.name=forward_kl_topk", "objective.topk=8",
+                                                                 "objective.use_policy_gradient=false"]])
+def test_a_cross_tokenizer_run_on_cuda_replays_byte_for_byte(bpe, tmp_path, objective):  # noqa: F811
+    run = [*args(bpe), *objective, "runtime.device=cuda"]
     ref, again, killed = (tmp_path / n for n in ("ref", "again", "killed"))
     for d in (ref, again, killed):
         d.mkdir()

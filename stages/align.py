@@ -8,7 +8,8 @@ models score the same text, so log p(span) is a sum over each side's own tokens 
 exactly. The teacher's prompt is the same chat messages under the teacher's own chat template.
 spans.parquet holds one row per trajectory (uid, the teacher's prompt and response ids, each
 token's span index on both sides, which spans are exact, and each span's text) for people to open.
-Torch-free and device-free: the stage's bytes depend on the two tokenizers and the rollout only.
+Host work on any device: the stage's bytes depend on the two tokenizers and the rollout only, so its
+digest holds no runtime slice.
 """
 from __future__ import annotations
 

@@ -101,6 +101,8 @@ def block(rec: dict) -> str:
         f"Measured with README line 1 on a {m['cpus']}-core {m['cpu']} (`python benchmarks/default_run.py`, "
         f"{rec['date']}): " + (f"line 1 took {rec['wall_s'] / 60:.1f} min, `dvc repro` {rec['repro_s'] / 60:.1f} min of it, "
                                if "repro_s" in rec else f"`dvc repro` took {rec['wall_s'] / 60:.1f} min ")
+        + (f"on a busy machine (load {m['load_before']:.1f} as it started: other work shared the two cores) "
+           if m.get("load_before", 0) >= 1 else "")
         + "from an empty store "
         f"({updates} updates). On the {t['tokens']} tokens of the teacher's greedy answers to the "
         f"held-out prompts, top-1 agreement with the teacher rose from {t['top1_agreement']:.3f} to "

@@ -107,13 +107,14 @@ class LoraCfg:
 
 @dataclass
 class OptimCfg:
-    lr: float = 2e-3
+    # null (lr, warmup_updates): chosen by the student, pruned or intact (validation.optim_for)
+    lr: Optional[float] = None
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    warmup_updates: int = 0  # linear warmup; no decay that depends on the total (keeps steps reusable)
+    warmup_updates: Optional[int] = None  # linear warmup; no decay that depends on the total (keeps steps reusable)
 
 
 @dataclass
@@ -298,6 +299,11 @@ def from_args(params: str | None, overrides: list[str]) -> Config:
 
 def compose(overrides: list[str], conf_dir: str | os.PathLike | None = None) -> Config:
     """Compose conf/ with Hydra overrides (no file written) and validate."""
+    return from_container(composed(overrides, conf_dir), "overrides")
+
+
+def composed(overrides: list[str], conf_dir: str | os.PathLike | None = None) -> dict:
+    """conf/ composed with Hydra overrides, as written (not validated: nulls stay null)."""
     from hydra import compose as hcompose, initialize_config_dir
     from hydra.errors import HydraException
 
@@ -308,7 +314,7 @@ def compose(overrides: list[str], conf_dir: str | os.PathLike | None = None) -> 
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException) as e:
         raise UserError(f"override: {str(e).splitlines()[0]}") from None
-    return from_container(OmegaConf.to_container(cfg), "overrides")
+    return OmegaConf.to_container(cfg)
 
 
 def write_params(overrides: list[str], out: str | os.PathLike = "params.yaml",

@@ -51,8 +51,28 @@ def get(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
+# optim.lr, optim.warmup_updates left null: (lr, warmup) by whether the student keeps all of a pretrained
+# model. Pruned (the embedded default keeps 24 of 30 layers) or random: it must heal, and the default
+# sweep chose 2e-3. Intact: 1e-4 with warmup, as 5e-4 left Qwen2.5-Coder-0.5B worse than it started
+# (docs/performance.md#the-learning-rate)
+HEALING = (2e-3, 0)
+INTACT = (1e-4, 4)
+
+
+def optim_for(cfg) -> tuple[float, int]:
+    """The (lr, warmup_updates) a null optim.lr / optim.warmup_updates stand for."""
+    s = cfg.student
+    return HEALING if s.keep_layers > 0 or s.init != "pretrained" else INTACT
+
+
 def validate(cfg, source: str = "config"):
-    """Range and choice checks the type system cannot express; raise UserError naming the key."""
+    """Range and choice checks the type system cannot express; raise UserError naming the key. Fills a
+    null optim.lr / optim.warmup_updates from the setting (optim_for), so that digests hold numbers."""
+    lr, warmup = optim_for(cfg)
+    if cfg.optim.lr is None:
+        cfg.optim.lr = lr
+    if cfg.optim.warmup_updates is None:
+        cfg.optim.warmup_updates = warmup
     for key, allowed in CHOICES.items():
         if get(cfg, key) not in allowed:
             raise UserError(f"{source}: key '{key}' = {get(cfg, key)!r}; expected one of {', '.join(allowed)}")

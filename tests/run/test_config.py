@@ -81,7 +81,21 @@ def test_the_dataclass_defaults_are_conf_s_defaults():
         for k, v in d.items():
             yield from leaves(v, f"{p}{k}.") if isinstance(v, dict) else [(f"{p}{k}", v)]
 
-    composed = dict(leaves(dataclasses.asdict(config.compose([], config.conf_dir()))))
+    composed = dict(leaves(config.composed([], config.conf_dir())))
     schema = dict(leaves(dataclasses.asdict(config.Config())))
     assert composed.keys() == schema.keys()
     assert {k: (composed[k], schema[k]) for k in composed if composed[k] != schema[k]} == {}
+
+
+def test_a_null_lr_is_chosen_by_the_student():
+    """optim.lr / optim.warmup_updates null: 2e-3 at once for the pruned default (its digests stay what
+    they were), 1e-4 with warmup for an intact pretrained student; a value given is kept."""
+    d = config.compose([], config.conf_dir())
+    assert (d.optim.lr, d.optim.warmup_updates) == (2e-3, 0)
+    intact = config.compose(["student.keep_layers=0"], config.conf_dir())
+    assert (intact.optim.lr, intact.optim.warmup_updates) == (1e-4, 4)
+    rand = config.compose(["student.keep_layers=0", "student.init=random", "student.name=arch:tiny-llama"],
+                          config.conf_dir())
+    assert (rand.optim.lr, rand.optim.warmup_updates) == (2e-3, 0)
+    given = config.compose(["student.keep_layers=0", "optim.lr=3e-4", "optim.warmup_updates=0"], config.conf_dir())
+    assert (given.optim.lr, given.optim.warmup_updates) == (3e-4, 0)

@@ -1,0 +1,145 @@
+"""A real pair on a checkable task: on-policy distillation beside its off-policy control, one record.
+
+    python benchmarks/realpair.py --student S --teacher T --data rows.parquet --work DIR \
+        --name NAME [--out benchmarks/results] [-- override ...]
+
+Runs, in DIR (its own artifacts store, so a rerun reuses every published stage and only rewrites the
+record), two arms with the same overrides, models, prompts and update budget:
+- `opd`: `opd run` as a user would, with the defaults (the student samples, the teacher grades);
+- `sft`: the off-policy control, `rollout.sampler=teacher objective.name=nll`: the teacher samples
+  the same prompts with the same settings and the student learns them by maximum likelihood.
+Then writes <out>/<NAME>.json (both arms' evaluation records, the history, the commands, the machine)
+and <NAME>.md: task accuracy with its 95% interval for the teacher and the student before and after
+each arm, held-out KL and agreement on the teacher's text, answer quality, the exact McNemar test of
+each arm's flips, and the answers side by side. Models and data are the caller's (a GGUF path works):
+this records a measurement; nothing here downloads.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = {"opd": [], "sft": ["rollout.sampler=teacher", "objective.name=nll"]}
+
+
+def mcnemar(gained: int, lost: int) -> float:
+    """Exact two-sided McNemar p-value: the flips as a fair coin's binomial draws."""
+    n = gained + lost
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(0, min(gained, lost) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def run_arm(opd: str, work: Path, run: str, args: list[str]) -> dict:
+    argv = [opd, "run", f"run={run}", *args]
+    t0 = time.perf_counter()
+    r = subprocess.run(argv, cwd=work, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    (work / f"{run}.log").write_text(r.stdout + r.stderr)
+    if r.returncode != 0:
+        sys.exit(f"{shlex.join(argv)} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+    view = work / "artifacts" / "runs" / run
+    with open(view / "history.csv") as f:
+        history = [{k: v for k, v in row.items()} for row in csv.DictReader(f)]
+    return {"command": "opd " + shlex.join(argv[1:]), "wall_s": round(wall, 1),
+            "warning": [ln for ln in r.stderr.splitlines() if ln.startswith("warning:")],
+            "eval": json.loads((view / "eval.json").read_text()),
+            "answers": json.loads((view / "answers.json").read_text()),
+            "loss": [float(h["loss"]) for h in history if h.get("loss")]}
+
+
+def _acc(t: dict) -> str:
+    lo, hi = t["ci95"]
+    return f"{t['accuracy']:.3f} ({t['correct']}/{t['n']}, 95% CI {lo:.3f}-{hi:.3f})"
+
+
+def markdown(rec: dict) -> str:
+    o, s = rec["arms"]["opd"]["eval"], rec["arms"]["sft"]["eval"]
+    lines = [f"# {rec['title']}", "", rec["setting"], "",
+             "```", *[a["command"] for a in rec["arms"].values()], "```", "",
+             f"Machine: {rec['machine']}; commit {rec['commit'][:7]}; wall {rec['arms']['opd']['wall_s'] / 60:.0f} min "
+             f"(OPD) and {rec['arms']['sft']['wall_s'] / 60:.0f} min (SFT control), evaluation included.", "",
+             "| | before (policy 0) | after OPD | after SFT on teacher samples | teacher |", "|---|---|---|---|---|"]
+    checker = o["final"]["task"]["checker"]
+    lines.append(f"| task accuracy, greedy ({checker}) | {_acc(o['initial']['task'])} | {_acc(o['final']['task'])} | "
+                 f"{_acc(s['final']['task'])} | {_acc(o['teacher']['task'])} |")
+    for view, label in (("on_teacher_text", "on the teacher's greedy answers"),
+                        ("on_own_text", "on the student's own greedy answers")):
+        lines.append(f"| KL(teacher‖student) {label}, nats/token | {o['initial'][view]['kl']:.3f} | "
+                     f"{o['final'][view]['kl']:.3f} | {s['final'][view]['kl']:.3f} | |")
+    t = o["initial"]["on_teacher_text"]
+    lines.append(f"| top-1 agreement on the teacher's answers (n={t['tokens']}) | {t['top1_agreement']:.3f} | "
+                 f"{o['final']['on_teacher_text']['top1_agreement']:.3f} | "
+                 f"{s['final']['on_teacher_text']['top1_agreement']:.3f} | |")
+    lines.append(f"| distinct bigrams of the answers | {o['initial']['answers']['distinct_bigrams']:.3f} | "
+                 f"{o['final']['answers']['distinct_bigrams']:.3f} | {s['final']['answers']['distinct_bigrams']:.3f} | "
+                 f"{o['teacher']['answers']['distinct_bigrams']:.3f} |")
+    lines.append("")
+    for name, arm in rec["arms"].items():
+        f = arm["flips"]
+        lines.append(f"- {name}: {f['gained']} prompts gained, {f['lost']} lost (exact McNemar p = {f['p']:.3f}); "
+                     f"loss per update {arm['loss'][0]:.3f} first, {arm['loss'][-1]:.3f} last; "
+                     + ("ended with: `" + arm["warning"][0] + "`" if arm["warning"] else "no `warning:` line"))
+    lines += ["", "## Answers side by side (held-out, greedy)", ""]
+    sft_side = {x["prompt"]: x["final"] for x in rec["arms"]["sft"]["answers"].get("side_by_side", [])}
+    for x in rec["arms"]["opd"]["answers"].get("side_by_side", []):
+        lines.append(f"- {x['prompt']!r}: teacher `{x['teacher']}`, before `{x['initial']}`, after OPD `{x['final']}`, "
+                     f"after SFT `{sft_side.get(x['prompt'], '')}`")
+    for name, arm in rec["arms"].items():
+        fl = arm["answers"].get("flips", {})
+        if fl.get("gained") or fl.get("lost"):
+            lines += ["", f"## Flipped prompts, {name}", ""]
+            for kind in ("gained", "lost"):
+                for x in fl.get(kind, []):
+                    lines.append(f"- {kind}: {x['prompt']!r} (truth {x['truth']}): before `{x['initial']}`, "
+                                 f"after `{x['final']}`")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--student", required=True)
+    ap.add_argument("--teacher", required=True)
+    ap.add_argument("--data", required=True, help="verl-schema Parquet with ground truths and test rows")
+    ap.add_argument("--work", required=True, type=Path)
+    ap.add_argument("--name", required=True, help="the record's file name, also the runs' prefix")
+    ap.add_argument("--title", default="A real pair on a checkable task: on-policy distillation and its control")
+    ap.add_argument("--setting", default="", help="a paragraph on the models, data and machine")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("overrides", nargs="*", help="the overrides both arms share (after --)")
+    a = ap.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
+    opd = str(Path(sys.executable).with_name("opd"))
+    common = [f"student.name={a.student}", f"teacher.name={a.teacher}", f"data.path={Path(a.data).resolve()}",
+              "student.keep_layers=0", *a.overrides]
+    arms = {}
+    for name, extra in ARMS.items():
+        arm = arms[name] = run_arm(opd, a.work, f"{a.name}-{name}", common + extra)
+        acc = {w: arm["eval"][w]["task"]["correct"] for w in ("initial", "final")}
+        g, lost = len(arm["answers"]["flips"]["gained"]), len(arm["answers"]["flips"]["lost"])
+        assert acc["final"] - acc["initial"] == g - lost, "flips disagree with the counts"
+        arm["flips"] = {"gained": g, "lost": lost, "p": round(mcnemar(g, lost), 4)}
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    rec = {"schema": "opd-stages/realpair", "date": os.environ.get("OPD_BENCH_DATE", dt.date.today().isoformat()),
+           "commit": head, "title": a.title, "setting": a.setting,
+           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "arms": arms}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / f"{a.name}.json").write_text(json.dumps(rec, indent=1) + "\n")
+    (a.out / f"{a.name}.md").write_text(markdown(rec))
+    print(f"wrote {a.out / a.name}.json and .md")
+
+
+if __name__ == "__main__":
+    main()

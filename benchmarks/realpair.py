@@ -65,39 +65,47 @@ def _acc(t: dict) -> str:
     return f"{t['accuracy']:.3f} ({t['correct']}/{t['n']}, 95% CI {lo:.3f}-{hi:.3f})"
 
 
+LABEL = {"opd": "after OPD", "sft": "after SFT on teacher samples"}
+
+
 def markdown(rec: dict) -> str:
-    o, s = rec["arms"]["opd"]["eval"], rec["arms"]["sft"]["eval"]
+    arms = rec["arms"]
+    o = next(iter(arms.values()))["eval"]  # policy 0 and the teacher are the same in every arm
+    walls = ", ".join(f"{n} {a['wall_s'] / 60:.0f} min" for n, a in arms.items())
     lines = [f"# {rec['title']}", "", rec["setting"], "",
-             "```", *[a["command"] for a in rec["arms"].values()], "```", "",
-             f"Machine: {rec['machine']}; commit {rec['commit'][:7]}; wall {rec['arms']['opd']['wall_s'] / 60:.0f} min "
-             f"(OPD) and {rec['arms']['sft']['wall_s'] / 60:.0f} min (SFT control), evaluation included.", "",
-             "| | before (policy 0) | after OPD | after SFT on teacher samples | teacher |", "|---|---|---|---|---|"]
-    checker = o["final"]["task"]["checker"]
-    lines.append(f"| task accuracy, greedy ({checker}) | {_acc(o['initial']['task'])} | {_acc(o['final']['task'])} | "
-                 f"{_acc(s['final']['task'])} | {_acc(o['teacher']['task'])} |")
+             "```", *[a["command"] for a in arms.values()], "```", "",
+             f"Machine: {rec['machine']}; commit {rec['commit'][:7]}; wall time, evaluation included: {walls}.", "",
+             "| | before (policy 0) | " + " | ".join(LABEL[n] for n in arms) + " | teacher |",
+             "|---|---|" + "---|" * len(arms) + "---|"]
+
+    def row(label: str, first: str, after, teacher: str = "") -> None:
+        cells = " | ".join(after(a["eval"]) for a in arms.values())
+        lines.append(f"| {label} | {first} | {cells} | {teacher} |")
+
+    row(f"task accuracy, greedy ({o['final']['task']['checker']})", _acc(o["initial"]["task"]),
+        lambda e: _acc(e["final"]["task"]), _acc(o["teacher"]["task"]))
     for view, label in (("on_teacher_text", "on the teacher's greedy answers"),
                         ("on_own_text", "on the student's own greedy answers")):
-        lines.append(f"| KL(teacher‖student) {label}, nats/token | {o['initial'][view]['kl']:.3f} | "
-                     f"{o['final'][view]['kl']:.3f} | {s['final'][view]['kl']:.3f} | |")
+        row(f"KL(teacher‖student) {label}, nats/token", f"{o['initial'][view]['kl']:.3f}",
+            lambda e, v=view: f"{e['final'][v]['kl']:.3f}")
     t = o["initial"]["on_teacher_text"]
-    lines.append(f"| top-1 agreement on the teacher's answers (n={t['tokens']}) | {t['top1_agreement']:.3f} | "
-                 f"{o['final']['on_teacher_text']['top1_agreement']:.3f} | "
-                 f"{s['final']['on_teacher_text']['top1_agreement']:.3f} | |")
-    lines.append(f"| distinct bigrams of the answers | {o['initial']['answers']['distinct_bigrams']:.3f} | "
-                 f"{o['final']['answers']['distinct_bigrams']:.3f} | {s['final']['answers']['distinct_bigrams']:.3f} | "
-                 f"{o['teacher']['answers']['distinct_bigrams']:.3f} |")
+    row(f"top-1 agreement on the teacher's answers (n={t['tokens']})", f"{t['top1_agreement']:.3f}",
+        lambda e: f"{e['final']['on_teacher_text']['top1_agreement']:.3f}")
+    row("distinct bigrams of the answers", f"{o['initial']['answers']['distinct_bigrams']:.3f}",
+        lambda e: f"{e['final']['answers']['distinct_bigrams']:.3f}",
+        f"{o['teacher']['answers']['distinct_bigrams']:.3f}")
     lines.append("")
-    for name, arm in rec["arms"].items():
+    for name, arm in arms.items():
         f = arm["flips"]
         lines.append(f"- {name}: {f['gained']} prompts gained, {f['lost']} lost (exact McNemar p = {f['p']:.3f}); "
                      f"loss per update {arm['loss'][0]:.3f} first, {arm['loss'][-1]:.3f} last; "
                      + ("ended with: `" + arm["warning"][0] + "`" if arm["warning"] else "no `warning:` line"))
     lines += ["", "## Answers side by side (held-out, greedy)", ""]
-    sft_side = {x["prompt"]: x["final"] for x in rec["arms"]["sft"]["answers"].get("side_by_side", [])}
-    for x in rec["arms"]["opd"]["answers"].get("side_by_side", []):
-        lines.append(f"- {x['prompt']!r}: teacher `{x['teacher']}`, before `{x['initial']}`, after OPD `{x['final']}`, "
-                     f"after SFT `{sft_side.get(x['prompt'], '')}`")
-    for name, arm in rec["arms"].items():
+    side = {n: {x["prompt"]: x["final"] for x in a["answers"].get("side_by_side", [])} for n, a in arms.items()}
+    for x in next(iter(arms.values()))["answers"].get("side_by_side", []):
+        lines.append(f"- {x['prompt']!r}: teacher `{x['teacher']}`, before `{x['initial']}`, "
+                     + ", ".join(f"{LABEL[n]} `{side[n].get(x['prompt'], '')}`" for n in arms))
+    for name, arm in arms.items():
         fl = arm["answers"].get("flips", {})
         if fl.get("gained") or fl.get("lost"):
             lines += ["", f"## Flipped prompts, {name}", ""]
@@ -118,6 +126,7 @@ def main() -> None:
     ap.add_argument("--title", default="A real pair on a checkable task: on-policy distillation and its control")
     ap.add_argument("--setting", default="", help="a paragraph on the models, data and machine")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--arms", default="opd,sft", help="which arms to run and record (opd, sft)")
     ap.add_argument("overrides", nargs="*", help="the overrides both arms share (after --)")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
@@ -125,7 +134,8 @@ def main() -> None:
     common = [f"student.name={a.student}", f"teacher.name={a.teacher}", f"data.path={Path(a.data).resolve()}",
               "student.keep_layers=0", *a.overrides]
     arms = {}
-    for name, extra in ARMS.items():
+    for name in a.arms.split(","):
+        extra = ARMS[name]
         arm = arms[name] = run_arm(opd, a.work, f"{a.name}-{name}", common + extra)
         acc = {w: arm["eval"][w]["task"]["correct"] for w in ("initial", "final")}
         g, lost = len(arm["answers"]["flips"]["gained"]), len(arm["answers"]["flips"]["lost"])

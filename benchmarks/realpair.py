@@ -52,11 +52,21 @@ def run_arm(opd: str, work: Path, run: str, args: list[str]) -> dict:
         sys.exit(f"{shlex.join(argv)} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
     view = work / "artifacts" / "runs" / run
     with open(view / "history.csv") as f:
-        history = [{k: v for k, v in row.items()} for row in csv.DictReader(f)]
+        history = list(csv.DictReader(f))
+    ev = json.loads((view / "eval.json").read_text())
+    # the time each stage took when it was computed (a rerun reuses them: its own wall is near zero)
+    store = work / "artifacts" / "store" / "evaluate"
+    done = [d for d in sorted(store.iterdir()) if (d / "manifest.json").is_file()]  # (not the store's locks)
+    ev_state = next(json.loads((d / "state.json").read_text()) for d in done
+                    if json.loads((d / "eval.json").read_text())["final"] == ev["final"])
+    phases = ("rollout", "score", "update")
     return {"command": "opd " + shlex.join(argv[1:]), "wall_s": round(wall, 1),
+            "computed_s": {p: round(sum(float(h[f"{p}_wall_s"]) for h in history), 1) for p in phases}
+            | {"evaluate": round(ev_state["wall_s"], 1)},
+            "peak_rss_gib": {"train": max(float(h["peak_memory_gib"]) for h in history),
+                             "evaluate": ev_state["peak_rss_gib"]},
             "warning": [ln for ln in r.stderr.splitlines() if ln.startswith("warning:")],
-            "eval": json.loads((view / "eval.json").read_text()),
-            "answers": json.loads((view / "answers.json").read_text()),
+            "eval": ev, "answers": json.loads((view / "answers.json").read_text()),
             "loss": [float(h["loss"]) for h in history if h.get("loss")]}
 
 
@@ -68,13 +78,19 @@ def _acc(t: dict) -> str:
 LABEL = {"opd": "after OPD", "sft": "after SFT on teacher samples"}
 
 
+def _q(prompt: str) -> str:
+    """A prompt's first paragraph (the question, not the answer-format instruction every row repeats)."""
+    return prompt.split("\n\n")[0]
+
+
 def markdown(rec: dict) -> str:
     arms = rec["arms"]
     o = next(iter(arms.values()))["eval"]  # policy 0 and the teacher are the same in every arm
-    walls = ", ".join(f"{n} {a['wall_s'] / 60:.0f} min" for n, a in arms.items())
+    walls = "; ".join(f"{n}: " + ", ".join(f"{p} {t / 60:.1f} min" for p, t in a["computed_s"].items())
+                      + f", peak RSS {max(a['peak_rss_gib'].values()):.1f} GiB" for n, a in arms.items())
     lines = [f"# {rec['title']}", "", rec["setting"], "",
              "```", *[a["command"] for a in arms.values()], "```", "",
-             f"Machine: {rec['machine']}; commit {rec['commit'][:7]}; wall time, evaluation included: {walls}.", "",
+             f"Machine: {rec['machine']}; commit {rec['commit'][:7]}. Time each stage took when computed: {walls}.", "",
              "| | before (policy 0) | " + " | ".join(LABEL[n] for n in arms) + " | teacher |",
              "|---|---|" + "---|" * len(arms) + "---|"]
 
@@ -94,7 +110,7 @@ def markdown(rec: dict) -> str:
     row("distinct bigrams of the answers", f"{o['initial']['answers']['distinct_bigrams']:.3f}",
         lambda e: f"{e['final']['answers']['distinct_bigrams']:.3f}",
         f"{o['teacher']['answers']['distinct_bigrams']:.3f}")
-    lines.append("")
+    lines += ["", rec.get("summary") or "", ""]
     for name, arm in arms.items():
         f = arm["flips"]
         lines.append(f"- {name}: {f['gained']} prompts gained, {f['lost']} lost (exact McNemar p = {f['p']:.3f}); "
@@ -103,7 +119,7 @@ def markdown(rec: dict) -> str:
     lines += ["", "## Answers side by side (held-out, greedy)", ""]
     side = {n: {x["prompt"]: x["final"] for x in a["answers"].get("side_by_side", [])} for n, a in arms.items()}
     for x in next(iter(arms.values()))["answers"].get("side_by_side", []):
-        lines.append(f"- {x['prompt']!r}: teacher `{x['teacher']}`, before `{x['initial']}`, "
+        lines.append(f"- {_q(x['prompt'])}: teacher `{x['teacher']}`, before `{x['initial']}`, "
                      + ", ".join(f"{LABEL[n]} `{side[n].get(x['prompt'], '')}`" for n in arms))
     for name, arm in arms.items():
         fl = arm["answers"].get("flips", {})
@@ -111,7 +127,7 @@ def markdown(rec: dict) -> str:
             lines += ["", f"## Flipped prompts, {name}", ""]
             for kind in ("gained", "lost"):
                 for x in fl.get(kind, []):
-                    lines.append(f"- {kind}: {x['prompt']!r} (truth {x['truth']}): before `{x['initial']}`, "
+                    lines.append(f"- {kind}: {_q(x['prompt'])} (truth {x['truth']}): before `{x['initial']}`, "
                                  f"after `{x['final']}`")
     return "\n".join(lines) + "\n"
 
@@ -125,6 +141,7 @@ def main() -> None:
     ap.add_argument("--name", required=True, help="the record's file name, also the runs' prefix")
     ap.add_argument("--title", default="A real pair on a checkable task: on-policy distillation and its control")
     ap.add_argument("--setting", default="", help="a paragraph on the models, data and machine")
+    ap.add_argument("--summary", default="", help="a paragraph on what the numbers say, printed under the table")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--arms", default="opd,sft", help="which arms to run and record (opd, sft)")
     ap.add_argument("overrides", nargs="*", help="the overrides both arms share (after --)")
@@ -143,7 +160,7 @@ def main() -> None:
         arm["flips"] = {"gained": g, "lost": lost, "p": round(mcnemar(g, lost), 4)}
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     rec = {"schema": "opd-stages/realpair", "date": os.environ.get("OPD_BENCH_DATE", dt.date.today().isoformat()),
-           "commit": head, "title": a.title, "setting": a.setting,
+           "commit": head, "title": a.title, "setting": a.setting, "summary": a.summary,
            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "arms": arms}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / f"{a.name}.json").write_text(json.dumps(rec, indent=1) + "\n")

@@ -87,6 +87,23 @@ def test_equal_figures_are_not_worse_and_old_metrics_have_no_warning():
     assert runview.worse_warning({"eval": {}, "updates": 3}) is None and runview.worse_warning(None) is None
 
 
+def test_task_accuracy_that_fell_past_its_noise_is_worse_and_the_warning_names_it():
+    """Two standard errors of a proportion over the scored rows, as for agreement: at 0.174 of 121 rows
+    (the real pair's start) a fall to 0.140 is noise, a fall to 0.099 is not."""
+    task = lambda k: {"correct": k, "n": 121, "accuracy": round(k / 121, 6), "ci95": [0, 1], "checker": "c"}  # noqa: E731
+    rec = _record((0.5, 0.5), (0.6, 0.6))
+    rec["teacher"]["task"], rec["initial"]["task"] = task(36), task(21)
+    rec["final"]["task"] = task(17)
+    assert runview.headline(rec, 4)["worse"] is False
+    rec["final"]["task"] = task(12)
+    m = runview.headline(rec, 4)
+    assert m["worse"] is True and m["acc_after"] == 0.099174
+    assert runview.worse_warning(m) == ("warning: the trained student is worse than policy 0 on held-out prompts: KL "
+                                        "0.5000 -> 0.5000, agreement 0.600 -> 0.600, task accuracy 0.174 -> 0.099 "
+                                        "(consider a lower optim.lr)")
+    assert runview.task_worse(None, None) is False
+
+
 def test_main_prints_the_warning_to_stderr_only_when_worse(monkeypatch, capsys):
     """evaluate.main: the summary line on stdout, then the one `warning:` line on stderr (sessions
     stand in: main reads only the store path, the updates and run's record)."""

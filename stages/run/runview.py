@@ -40,13 +40,14 @@ def headline(result: dict, updates: int) -> dict:
     to a few numbers under short flat keys, one narrow `dvc exp show` / `dvc metrics diff` column each.
     On the teacher's held-out text: KL(teacher||student) and top-1 agreement of policy 0 (`_before`) and
     of the final policy (`_after`); the share of non-blank greedy answers after; `worse` (below) when KL
-    rose or agreement fell past the evaluation's noise. Where held-out rows have a ground truth, task accuracy (`acc_before`, `acc_after`,
-    `acc_teacher`: the evaluate stage's `task`). The numbers are the record's own (already rounded), so
-    the file is as reproducible."""
+    rose, or agreement or task accuracy fell, past the evaluation's noise. Where held-out rows have a
+    ground truth, task accuracy (`acc_before`, `acc_after`, `acc_teacher`: the evaluate stage's `task`).
+    The numbers are the record's own (already rounded), so the file is as reproducible."""
     t0, t1 = result["initial"]["on_teacher_text"], result["final"]["on_teacher_text"]
     out = {"kl_before": t0["kl"], "kl_after": t1["kl"], "agree_before": t0["top1_agreement"],
            "agree_after": t1["top1_agreement"], "nonblank_after": result["final"]["answers"]["nonblank"],
-           "updates": updates, "worse": worse(t0, t1)}
+           "updates": updates, "worse": worse(t0, t1) or task_worse(result["initial"].get("task"),
+                                                                     result["final"].get("task"))}
     if "task" in result["final"]:
         out.update({f"acc_{key}": result[who]["task"]["accuracy"]
                     for key, who in (("before", "initial"), ("after", "final"), ("teacher", "teacher"))})
@@ -67,6 +68,15 @@ def worse(t0: dict, t1: dict) -> bool:
     return t1["kl"] > t0["kl"] * (1 + KL_RISE) or t1["top1_agreement"] < p - 2 * se
 
 
+def task_worse(a0: dict | None, a1: dict | None) -> bool:
+    """Whether task accuracy (the evaluate stage's `task` records) fell by more than two standard errors of
+    a proportion over the scored rows, the rule `worse` applies to agreement; False without a task."""
+    if not a0 or not a1:
+        return False
+    n, p = max(int(a0["n"]), 1), a0["accuracy"]
+    return a1["accuracy"] < p - 2 * math.sqrt(max(p * (1 - p), 1 / n) / n)
+
+
 def worse_warning(metrics: dict | None) -> str | None:
     """The one `warning:` line for a run that left the student further from the teacher than policy 0
     (metrics.json's `worse`), naming both figures; None otherwise (and for a metrics.json without them)."""
@@ -74,8 +84,9 @@ def worse_warning(metrics: dict | None) -> str | None:
     if m.get("worse") is not True:
         return None
     return (f"warning: the trained student is worse than policy 0 on held-out prompts: KL {m['kl_before']:.4f} -> "
-            f"{m['kl_after']:.4f}, agreement {m['agree_before']:.3f} -> {m['agree_after']:.3f} "
-            "(consider a lower optim.lr)")
+            f"{m['kl_after']:.4f}, agreement {m['agree_before']:.3f} -> {m['agree_after']:.3f}"
+            + (f", task accuracy {m['acc_before']:.3f} -> {m['acc_after']:.3f}" if "acc_after" in m else "")
+            + " (consider a lower optim.lr)")
 
 
 def config_digest(cfg) -> str:

@@ -101,7 +101,8 @@ def test_task_accuracy_that_fell_past_its_noise_is_worse_and_the_warning_names_i
     assert runview.worse_warning(m) == ("warning: the trained student is worse than policy 0 on held-out prompts: KL "
                                         "0.5000 -> 0.5000, agreement 0.600 -> 0.600, task accuracy 0.174 -> 0.099 "
                                         "(consider a lower optim.lr)")
-    assert runview.task_worse(None, None) is False
+    del rec["final"]["task"]  # a record without a task (no ground truths): KL and agreement decide alone
+    assert runview.headline(rec, 4)["worse"] is False
 
 
 def test_main_prints_the_warning_to_stderr_only_when_worse(monkeypatch, capsys):

@@ -7,6 +7,8 @@ import math
 import re
 import sys
 
+import pytest
+
 from support import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -23,11 +25,13 @@ def test_mcnemar_is_the_exact_binomial_tail():
     assert realpair.mcnemar(10, 0) == 2 / 2 ** 10
 
 
-def test_the_record_renders_to_its_markdown_and_is_consistent():
-    rec = json.loads((ROOT / "benchmarks" / "results" / f"{NAME}.json").read_text())
-    assert (ROOT / "benchmarks" / "results" / f"{NAME}.md").read_text() == realpair.markdown(rec)
-    assert set(rec["arms"]) == {"opd", "sft"}
-    assert "rollout.sampler=teacher objective.name=nll" in rec["arms"]["sft"]["command"]
+@pytest.mark.parametrize("name,arms", [(NAME, {"opd", "sft"}), ("2026-12-06-cpu-realpair-plain-defaults", {"opd"})])
+def test_the_records_render_to_their_markdown_and_are_consistent(name, arms):
+    rec = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+    assert (ROOT / "benchmarks" / "results" / f"{name}.md").read_text() == realpair.markdown(rec)
+    assert set(rec["arms"]) == arms
+    if "sft" in arms:
+        assert "rollout.sampler=teacher objective.name=nll" in rec["arms"]["sft"]["command"]
     for arm in rec["arms"].values():
         e, f = arm["eval"], arm["flips"]
         assert e["final"]["task"]["correct"] - e["initial"]["task"]["correct"] == f["gained"] - f["lost"]

@@ -46,8 +46,7 @@ def headline(result: dict, updates: int) -> dict:
     t0, t1 = result["initial"]["on_teacher_text"], result["final"]["on_teacher_text"]
     out = {"kl_before": t0["kl"], "kl_after": t1["kl"], "agree_before": t0["top1_agreement"],
            "agree_after": t1["top1_agreement"], "nonblank_after": result["final"]["answers"]["nonblank"],
-           "updates": updates, "worse": worse(t0, t1) or task_worse(result["initial"].get("task"),
-                                                                     result["final"].get("task"))}
+           "updates": updates, "worse": worse(result["initial"], result["final"])}
     if "task" in result["final"]:
         out.update({f"acc_{key}": result[who]["task"]["accuracy"]
                     for key, who in (("before", "initial"), ("after", "final"), ("teacher", "teacher"))})
@@ -57,24 +56,22 @@ def headline(result: dict, updates: int) -> dict:
 KL_RISE = 0.05  # a relative rise of held-out KL past which a run counts as worse (evaluation noise is less)
 
 
-def worse(t0: dict, t1: dict) -> bool:
-    """Whether the final policy is worse than policy 0 on the teacher's held-out text (`on_teacher_text`
-    records): KL rose by more than KL_RISE of its first value, or top-1 agreement fell by more than two
-    standard errors of a proportion over the evaluated tokens. A change within an evaluation's own
-    noise is no regression (a random tiny model's KL moves by a fraction of a percent)."""
-    n = max(int(t0.get("tokens") or 1), 1)
-    p = t0["top1_agreement"]
-    se = math.sqrt(max(p * (1 - p), 1 / n) / n)
-    return t1["kl"] > t0["kl"] * (1 + KL_RISE) or t1["top1_agreement"] < p - 2 * se
+def fell(before: float, after: float, n: int) -> bool:
+    """A proportion measured over n items fell by more than two standard errors of its first value."""
+    n = max(int(n or 1), 1)
+    return after < before - 2 * math.sqrt(max(before * (1 - before), 1 / n) / n)
 
 
-def task_worse(a0: dict | None, a1: dict | None) -> bool:
-    """Whether task accuracy (the evaluate stage's `task` records) fell by more than two standard errors of
-    a proportion over the scored rows, the rule `worse` applies to agreement; False without a task."""
-    if not a0 or not a1:
-        return False
-    n, p = max(int(a0["n"]), 1), a0["accuracy"]
-    return a1["accuracy"] < p - 2 * math.sqrt(max(p * (1 - p), 1 / n) / n)
+def worse(initial: dict, final: dict) -> bool:
+    """Whether the final policy is worse than policy 0 on held-out prompts (the evaluate record's
+    `initial` and `final`): on the teacher's text, KL rose by more than KL_RISE of its first value or
+    top-1 agreement fell past its noise (`fell`, over the evaluated tokens); or task accuracy, where
+    there is one, fell past its noise over the scored rows. A change within an evaluation's own noise is
+    no regression (a random tiny model's KL moves by a fraction of a percent)."""
+    t0, t1 = initial["on_teacher_text"], final["on_teacher_text"]
+    a0, a1 = initial.get("task"), final.get("task")
+    return (t1["kl"] > t0["kl"] * (1 + KL_RISE) or fell(t0["top1_agreement"], t1["top1_agreement"], t0.get("tokens"))
+            or bool(a0 and a1 and fell(a0["accuracy"], a1["accuracy"], a0["n"])))
 
 
 def worse_warning(metrics: dict | None) -> str | None:

@@ -33,23 +33,32 @@ def main(spec: dict) -> None:
     steps, marks = [], {}
 
     class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
+        # one step = from the previous step's end (the first: training's start) to this one's, so that
+        # whatever the trainer does between optimizer steps (batch preparation, its generation if it runs
+        # there, the micro-batches of an accumulation) counts toward the step
+        def on_train_begin(self, args, state, control, **kw):
             torch.cuda.synchronize()
             marks["t"] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             torch.cuda.synchronize()
-            steps.append(time.perf_counter() - marks["t"])
+            now = time.perf_counter()
+            steps.append(now - marks["t"])
+            marks["t"] = now
             if len(steps) == 1:
-                marks["first_end"] = time.perf_counter()
+                marks["first_end"] = now
                 marks["first_end_age"] = hostmem.process_age_s()
 
     t0 = time.perf_counter()
     args = DistillationConfig(
-        output_dir=spec["out"] + ".d", per_device_train_batch_size=spec["n_prompts"],
+        # micro_batch: prompts per forward, accumulated to n_prompts per optimizer step (workload b's 64
+        # prompts x 640 positions of 151,936-wide fp32 logits do not fit one H100 at once)
+        output_dir=spec["out"] + ".d", per_device_train_batch_size=spec.get("micro_batch", spec["n_prompts"]),
+        gradient_accumulation_steps=spec["n_prompts"] // spec.get("micro_batch", spec["n_prompts"]),
+        gradient_checkpointing=spec.get("gradient_checkpointing", False),
         max_completion_length=spec["response"], beta=0.0, temperature=1.0, top_p=1.0, bf16=True,
         max_steps=spec["updates"], generation_kwargs={"min_new_tokens": spec["response"]}, report_to=[],
-        save_strategy="no", logging_steps=1, learning_rate=1e-4, gradient_accumulation_steps=1)
+        save_strategy="no", logging_steps=1, learning_rate=1e-4)
     trainer = DistillationTrainer(
         model=spec["student"], teacher_model=spec["teacher"], args=args, train_dataset=ds, processing_class=tok,
         peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
@@ -60,7 +69,9 @@ def main(spec: dict) -> None:
     torch.cuda.reset_peak_memory_stats()
     trainer.train()
     tail = steps[1:] if len(steps) > 1 else steps
-    out = {"name": "TRL 1.16 DistillationTrainer", "steps_s": [round(s, 4) for s in steps],
+    out = {"name": "TRL 1.16 DistillationTrainer", "micro_batch": args.per_device_train_batch_size,
+           "gradient_accumulation_steps": args.gradient_accumulation_steps,
+           "gradient_checkpointing": args.gradient_checkpointing, "steps_s": [round(s, 4) for s in steps],
            "median_update_s": round(statistics.median(tail), 4), "construction_s": round(construct, 2),
            "first_update_incl_construction_s": round(marks["first_end"] - t0, 2),
            # from the process's start: the interpreter, its imports (trl, transformers, datasets), the tokenizer

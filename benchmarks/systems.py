@@ -302,11 +302,12 @@ def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
 
 
 # ---------------------------------------------------------------- peers
-def trl_peer(w: dict, work: Path, python: str, seed: dict) -> dict:
-    """TRL 1.16 DistillationTrainer on the same model dirs and prompts, in a fresh process."""
+def trl_peer(w: dict, work: Path, python: str, seed: dict, **extra) -> dict:
+    """TRL 1.16 DistillationTrainer on the same model dirs and prompts, in a fresh process. extra:
+    peer_trl.py's options (micro_batch, gradient_checkpointing)."""
     spec = {"student": seed["student_dir"], "teacher": seed["teacher_dir"],
             "prompts": str(work / "prompts.parquet"), "n_prompts": w["prompts"], "response": w["response"],
-            "updates": w["updates"], "out": str(work / "trl.json")}
+            "updates": w["updates"], "out": str(work / "trl.json"), **extra}
     r = subprocess.run([python, str(ROOT / "benchmarks" / "peer_trl.py"), json.dumps(spec)], capture_output=True,
                        text=True, cwd=work)
     if r.returncode:
@@ -399,6 +400,10 @@ def markdown(result: dict) -> str:
                 io = ", ".join(f"{k} {v}" for k, v in s["median_io_s"].items() if v)
                 lines += ["", f"{s['name']}: {s['median_outside_phases_s']} s of each step outside the three phases "
                           f"(recorded pieces, median s: {io})"]
+            if s.get("gradient_accumulation_steps", 1) > 1:
+                ckpt = "on" if s["gradient_checkpointing"] else "off"
+                lines += ["", f"{s['name']}: {s['micro_batch']} prompts per forward, "
+                          f"{s['gradient_accumulation_steps']} accumulated per update, gradient checkpointing {ckpt}"]
             if s.get("startup_s"):  # the first update's construction, piece by piece (train.json timings)
                 lines += ["", f"{s['name']}: the construction before the first update, s since the session opened "
                           f"when each was first done: {pieces(s['startup_s'])}"]
@@ -468,7 +473,7 @@ def main(argv=None) -> int:
     ap.add_argument("--updates", type=int, default=0,
                     help="workload a's updates for every system (0: the workload's, 8); the result's shape records it")
     ap.add_argument("--peer-updates", type=int, default=0,
-                    help="updates for miniVERL's arms (0: the workload's); medians skip the first either way")
+                    help="updates for miniVERL's arms and TRL's on workload b (0: the workload's); medians skip the first")
     ap.add_argument("--miniverl-arms", default=",".join(a for a, _, _ in MINIVERL_ARMS))
     ap.add_argument("--tokenizer", required=True, help="a SmolLM2 tokenizer dir (workload a)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -548,8 +553,10 @@ def main(argv=None) -> int:
         systems_b: list[dict] = []
         result["workloads"]["b"] = {"shape": WORKLOAD_B, "systems": systems_b}
 
+        seed_b: dict = {}
+
         def seeded_then_ours() -> dict:
-            seed_b = seed_store(WORKLOAD_B, wb, tok)
+            seed_b.update(seed_store(WORKLOAD_B, wb, tok))
             result["workloads"]["b"]["materialize_random_weights_s"] = seed_b["materialize_random_weights_s"]
             return ours_pipeline(WORKLOAD_B, wb, tok, py, None,
                                  ("train.activation_checkpointing=true", "train.chunk=1024"))
@@ -559,6 +566,16 @@ def main(argv=None) -> int:
         systems_b.append(run_system(seeded_then_ours, "opd-stages", deadline, 130))
         result["workloads"]["b"]["roofline"] = roofline.table(WORKLOAD_B, systems_b[0], result["peaks"])
         save()
+        if "trl" in peers and seed_b:
+            # TRL as it fits: 16 prompts per forward, accumulated to the 64 of an update, with gradient
+            # checkpointing as ours has; --peer-updates of them (the median skips the first)
+            wt = {**WORKLOAD_B, "updates": max(2, args.peer_updates or WORKLOAD_B["updates"])}
+            systems_b.append(run_system(trl_peer, "TRL 1.16 DistillationTrainer", deadline, 150, wt, wb, py, seed_b,
+                                        micro_batch=16, gradient_checkpointing=True))
+            ours_b = systems_b[0].get("median_update_s")
+            result["workloads"]["b"]["ratios"] = {x["name"]: round(x["median_update_s"] / ours_b, 2)
+                                                  for x in systems_b[1:] if ours_b and x.get("median_update_s")}
+            save()
         print(json.dumps(result["workloads"]["b"], indent=1), flush=True)
     save()
     print(markdown(result))

@@ -457,6 +457,15 @@ def run_system(fn, name: str, deadline: float, need_s: float, *a, **kw):
     print(f"{name}: {time.perf_counter() - t:.1f} s", flush=True)
     return out
 
+# workload b's run: activation checkpointing (64 x 640 positions of activations would otherwise hold
+# ~100 GiB through the backward), the LM head and loss over 1,024 positions at a time
+B_DEFAULT = ("train.activation_checkpointing=true", "train.chunk=1024")
+# our arms on workload b beside that: overrides (on top of B_DEFAULT)
+B_ARMS = {
+    "layers": ("runtime.compile_layers=true",),  # compiled decoder layers for update and score
+    "chunk4096": ("train.chunk=4096",),  # the LM head and loss over 4,096 positions at a time
+}
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -470,6 +479,7 @@ def main(argv=None) -> int:
                          "teacher; bitsandbytes), nf4teacher (NF4 teacher only), nf4teacher_ckpt (with activation checkpointing), "
                          "inplace_ckpt and inplace_nf4teacher_ckpt (those with memory.merge_in_place=true), k1, "
                          "cross_same and cross_qwen (cross-tokenizer OPD against k1 with one tokenizer)")
+    ap.add_argument("--ours-b", default="", help=f"our arms on workload b beside the default: {', '.join(B_ARMS)}")
     ap.add_argument("--updates", type=int, default=0,
                     help="workload a's updates for every system (0: the workload's, 8); the result's shape records it")
     ap.add_argument("--peer-updates", type=int, default=0,
@@ -545,8 +555,7 @@ def main(argv=None) -> int:
         print(json.dumps(wa, indent=1), flush=True)
     if args.workload in ("b", "all") and not args.smoke:
         # the real pipeline (`opd stage train`) on the Qwen3 shapes, prompts tokenized by the SmolLM2
-        # tokenizer (its ids are a subset of the 151,936-token vocabulary); activation checkpointing on:
-        # 64 x 640 positions of activations would otherwise hold ~100 GiB through the backward
+        # tokenizer (its ids are a subset of the 151,936-token vocabulary), with B_DEFAULT's settings
         wb = work / "b"
         wb.mkdir()
         tok = str(Path(args.tokenizer).resolve())
@@ -558,14 +567,18 @@ def main(argv=None) -> int:
         def seeded_then_ours() -> dict:
             seed_b.update(seed_store(WORKLOAD_B, wb, tok))
             result["workloads"]["b"]["materialize_random_weights_s"] = seed_b["materialize_random_weights_s"]
-            return ours_pipeline(WORKLOAD_B, wb, tok, py, None,
-                                 ("train.activation_checkpointing=true", "train.chunk=1024"))
+            return ours_pipeline(WORKLOAD_B, wb, tok, py, None, B_DEFAULT)
 
         # ~130 s: the random weights' ~40 s come before the run's ~90 (2026-12-04: with the seed outside
         # the deadline's check, it started with 5 s left and ran the call past its limit)
         systems_b.append(run_system(seeded_then_ours, "opd-stages", deadline, 130))
         result["workloads"]["b"]["roofline"] = roofline.table(WORKLOAD_B, systems_b[0], result["peaks"])
         save()
+        for arm in (a for a in args.ours_b.split(",") if a and seed_b):  # variants on the same seed
+            over = dict(o.split("=", 1) for o in (*B_DEFAULT, *B_ARMS[arm]))  # the arm's values win
+            systems_b.append(run_system(ours_pipeline, f"opd-stages-{arm}", deadline, 100, WORKLOAD_B, wb, tok, py,
+                                        None, tuple(f"{k}={v}" for k, v in over.items()), f"opd-stages-{arm}"))
+            save()
         if "trl" in peers and seed_b:
             # TRL as it fits: 16 prompts per forward, accumulated to the 64 of an update, with gradient
             # checkpointing as ours has; --peer-updates of them (the median skips the first)
@@ -574,7 +587,8 @@ def main(argv=None) -> int:
                                         micro_batch=16, gradient_checkpointing=True))
             ours_b = systems_b[0].get("median_update_s")
             result["workloads"]["b"]["ratios"] = {x["name"]: round(x["median_update_s"] / ours_b, 2)
-                                                  for x in systems_b[1:] if ours_b and x.get("median_update_s")}
+                                                  for x in systems_b[1:] if ours_b and x.get("median_update_s")
+                                                  and not x["name"].startswith("opd-stages")}
             save()
         print(json.dumps(result["workloads"]["b"], indent=1), flush=True)
     save()

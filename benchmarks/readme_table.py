@@ -128,7 +128,7 @@ def table(path: Path) -> str:
                      f"{', '.join(s['settings'])}; `{bpath.relative_to(ROOT)}`)",
                      f"{s['median_update_s']} s/update; rollout {s['rollout_tok_per_s']} tok/s; scored "
                      f"{s['scored_positions_per_s']} pos/s; update {s['update_positions_per_s']} pos/s; peak "
-                     f"{pb['overall']:.2f} GiB", "-", "≥ 25,000 tok/s, peak ≤ 40 GiB"))
+                     f"{pb['overall']:.2f} GiB", _trl_b(bpath, True), "≥ 25,000 tok/s, peak ≤ 40 GiB"))
     out = [f"Measured on one {r['device']} ({r['date']}, torch {r['torch']}), seed workload shape: "
            "SmolLM2-360M student / SmolLM2-1.7B teacher (random weights of the real shapes), bf16, "
            "4 prompts x (128 + 64) tokens per update, LoRA r16 on 7 projections, k = 32, 8 updates. "
@@ -187,11 +187,12 @@ def compact(path: Path) -> str:
          f"{trl['first_update_incl_construction_s']} s" if _ok(trl) else "-", "≤ 5 s"),
         ("resume of a finished run", f"{ours['resume_s']} s", "-", "≤ 2 s"),
     ]
-    _, b = _workload_b(path)
+    bpath, b = _workload_b(path)
     if b:
         rows.append(("workload b: Qwen3-0.6B/1.7B shapes, 64 x (128 + 512) tokens",
                      f"{b['rollout_tok_per_s']} tok/s, {b['median_update_s']} s/update, peak "
-                     f"{b['peak_allocated_gib']['overall']:.2f} GiB", "-", "≥ 25,000 tok/s, peak ≤ 40 GiB"))
+                     f"{b['peak_allocated_gib']['overall']:.2f} GiB", _trl_b(bpath),
+                     "≥ 25,000 tok/s, peak ≤ 40 GiB"))
     out = [f"One {r['device']} (torch {r['torch']}), seed workload: SmolLM2-360M student / SmolLM2-1.7B teacher "
            "shapes, bf16, 4 prompts x (128 + 64) tokens per update, TRL 1.16 in the same run. Source: "
            f"`{path.relative_to(ROOT)}`; the full table, the commands and where the time goes: "
@@ -244,6 +245,20 @@ def _workload_b(path: Path):
         if _ok(s) and s["name"] == "opd-stages":
             return p, s
     return None, None
+
+
+def _trl_b(path: Path, detail: bool = False) -> str:
+    """TRL on workload b in the same run as ours: its s/update and the ratio ("-" where it was not run)."""
+    b = json.loads(path.read_text())["workloads"]["b"]
+    t = _find(b["systems"], "TRL")
+    if not _ok(t):
+        return "-"
+    ratio = b.get("ratios", {}).get(t["name"], "-")
+    out = f"{t['median_update_s']} s/update ({ratio}x ours), peak {t['peak_allocated_gib']} GiB"
+    if detail and t.get("gradient_accumulation_steps", 1) > 1:
+        out += (f"; {t['micro_batch']} prompts per forward x {t['gradient_accumulation_steps']} accumulated, "
+                "gradient checkpointing")
+    return out
 
 
 def _miniverl_line(mvs: list[dict], ours, where: str) -> str:

@@ -100,7 +100,7 @@ def main(argv=None) -> int:
             setattr(torch.Tensor, n, fn)
         for m, p in zip(mods, saved):
             m.phase = p
-    n_params = len(sess.optimizer[2]) if sess.optimizer else 0
+    n_params = len(sess.models.optimizer[2]) if sess.models.optimizer else 0
     result["trainable_tensors"] = n_params
     print(f"{'stage':8} {'aten::item':>10}  python reads (phase: inside the timed block; stage: the rest)")
     for name, r in result["stages"].items():

@@ -251,7 +251,7 @@ def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
     def step(sess, k: int, walls: dict) -> None:  # one step as train.run runs it, each call timed
         for name, fn in (("rollout", rollout.run), ("score", score.run), ("update", update.run),
                          ("flush (join the publish)", lambda s, _k: s.store.flush()),
-                         ("run view", lambda s, kk: (s.link_step(kk), runview.add_step(s, kk))),
+                         ("run view", lambda s, kk: (runview.link_step(s, kk), runview.add_step(s, kk))),
                          ("history row", train.history_row)):
             t = time.perf_counter()
             fn(sess, k)
@@ -270,7 +270,7 @@ def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
     plain: dict = {}
     step(sess, k + 2, plain)
     # the rollout split: prefill (+ two tokens) against the whole response, same prompts and engine
-    ro = sess.table("rollout", sess.rollout_digest(k + 2), "rollout.parquet")
+    ro = sess.table("rollout", sess.chain.rollout(k + 2), "rollout.parquet")
     ids, split = ro.column("prompt_ids").to_pylist(), {}
     n = sess.cfg.rollout.max_new_tokens
     if ids and n > 2:
@@ -278,7 +278,7 @@ def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
         # (nothing to replay), while a longer rollout replays the captured prefill
         for new in (2, n, 2, n):  # each twice: the first call of a length captures its graphs
             t = time.perf_counter()
-            sess.generate(ids, new, seed=0, min_new=new)
+            sess.models.generate(ids, new, seed=0, min_new=new)
             split[new] = time.perf_counter() - t
         per_step = (split[n] - split[2]) / (n - 2)
         split = {"prefill_and_2_tokens_s": round(split[2], 4), f"prefill_and_{n}_tokens_s": round(split[n], 4),

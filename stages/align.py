@@ -25,14 +25,14 @@ NEEDS = {"uid": pa.string(), "prompt_index": pa.int32(), "response_ids": pa.list
 
 
 def run(sess: Session, k: int) -> Path:
-    dig = sess.align_digest(k)
+    dig = sess.chain.align(k)
 
     def produce(tmp: Path) -> None:
         cfg = sess.cfg
-        ro = sess.table("rollout", sess.rollout_digest(k), "rollout.parquet", NEEDS)
+        ro = sess.table("rollout", sess.chain.rollout(k), "rollout.parquet", NEEDS)
         rows_in = sess.table("prompts", sess.prepared["prompts"], "train.parquet")
-        t_tok = sess.teacher_tokenizer()
-        s_bytes, t_bytes, smap = sess.alignment_maps()
+        t_tok = sess.models.teacher_tokenizer()
+        s_bytes, t_bytes, smap = sess.models.alignment_maps()
         messages = rows_in.take(ro.column("prompt_index")).column(cfg.data.prompt_key).to_pylist()
         t_prompts = [prompts.prompt_ids(t_tok, m, cfg.data) for m in messages]
         state: dict = {"stage": "align", "step": k, "digest": dig}

@@ -41,7 +41,7 @@ from .session import Session, phase
 
 
 def greedy(sess: Session, model, engine, prompts: list[list[int]], tok=None) -> list[list[int]]:
-    tok = tok or sess.tokenizer()  # (a cross-tokenizer teacher answers in its own tokens)
+    tok = tok or sess.models.tokenizer()  # (a cross-tokenizer teacher answers in its own tokens)
     kw = dict(eos=tok.eos_token_id, pad=tok.pad_token_id or tok.eos_token_id, seed=0, sampling=Sampling(greedy=True))
     out = engine.generate(prompts, sess.cfg.eval.max_new_tokens, **kw) if engine else \
         sampler.hf_generate(model, prompts, sess.cfg.eval.max_new_tokens, **kw)
@@ -51,9 +51,9 @@ def greedy(sess: Session, model, engine, prompts: list[list[int]], tok=None) -> 
 def measure(sess: Session, student, prompts, responses) -> dict:
     p = lmhead.pack(prompts, responses, [[1] * len(r) for r in responses], pad=0, device=sess.device)
     with torch.no_grad():
-        h_t = lmhead.hidden(sess.teacher(), p)
+        h_t = lmhead.hidden(sess.models.teacher(), p)
         h_s = lmhead.hidden(student, p)
-        kl, agree = lmhead.kl_positions(h_t, lmhead.head_weight(sess.teacher()), h_s, lmhead.head_weight(student),
+        kl, agree = lmhead.kl_positions(h_t, lmhead.head_weight(sess.models.teacher()), h_s, lmhead.head_weight(student),
                                         sess.cfg.eval.chunk)
     return {"kl": round(float(kl.mean()), 6), "top1_agreement": round(float(agree.mean()), 6),
             "tokens": int(kl.numel())}
@@ -82,8 +82,8 @@ def measure_spans(sess: Session, student, s_prompts, t_prompts, responses, by: s
     log p_S - log p_T, of KL(student||teacher), what on-policy distillation lowers). top1_agreement:
     over the spans that are one token on each side, the share where both models' most likely tokens
     spell the same bytes; `tokens` counts those spans (the agreement's sample size)."""
-    s_bytes, t_bytes, smap = sess.alignment_maps()
-    s_tok, t_tok = sess.tokenizer(), sess.teacher_tokenizer()
+    s_bytes, t_bytes, smap = sess.models.alignment_maps()
+    s_tok, t_tok = sess.models.tokenizer(), sess.models.teacher_tokenizer()
     if by == "teacher":
         tmap = alignment.special_map(t_tok, s_tok)
         rows = [alignment.align_row(r, t_bytes, s_tok, s_bytes, tmap) for r in responses]
@@ -95,7 +95,7 @@ def measure_spans(sess: Session, student, s_prompts, t_prompts, responses, by: s
         s_span, t_span = [r.student_span for r in rows], [r.teacher_span for r in rows]
     chunk = sess.cfg.eval.chunk
     lp_s, top_s = _own_scores(student, s_prompts, s_resp, chunk, sess.device)
-    lp_t, top_t = _own_scores(sess.teacher(), t_prompts, t_resp, chunk, sess.device)
+    lp_t, top_t = _own_scores(sess.models.teacher(), t_prompts, t_resp, chunk, sess.device)
     gap = n_tok = agree = pairs = spans = 0
     a_s = a_t = 0
     for row, ss, ts in zip(rows, s_span, t_span):
@@ -165,23 +165,23 @@ def run(sess: Session) -> dict:
     runview.check_same_run(sess, "evaluating it")  # the view's evaluation files describe its run, no other
 
     def produce(tmp: Path) -> None:
-        tok = sess.tokenizer()
+        tok = sess.models.tokenizer()
         ev = tables.read(sess.store.path("prompts", sess.prepared["prompts"]) / "eval.parquet")
         msgs = ev.column(cfg.data.prompt_key).to_pylist()
         prompts = [prompt_ids(tok, m, cfg.data) for m in msgs]
         cross = cfg.objective.cross_tokenizer != "off"  # the teacher reads and writes its own tokens
-        t_tok = sess.teacher_tokenizer() if cross else tok
+        t_tok = sess.models.teacher_tokenizer() if cross else tok
         t_prompts = [prompt_ids(t_tok, m, cfg.data) for m in msgs] if cross else prompts
         held = ev.to_pylist()
         checkers.require(held)  # a checker that cannot run fails before the answers are generated
         state: dict = {"stage": "evaluate", "digest": dig}
         with phase(sess.device, state) as ph:
-            engine = sampler.make(sess.teacher(), cfg.rollout.cuda_graphs, sess.compiled_decode, sess.store.flush)
-            teacher_resp = greedy(sess, sess.teacher(), engine, t_prompts, t_tok)
+            engine = sampler.make(sess.models.teacher(), cfg.rollout.cuda_graphs, sess.models.compiled_decode, sess.store.flush)
+            teacher_resp = greedy(sess, sess.models.teacher(), engine, t_prompts, t_tok)
             result, said = {"teacher": {"answers": answers(t_tok, teacher_resp)}}, {"teacher": teacher_resp}
             for name, k in (("initial", 0), ("final", K)):
-                student = sess.use_policy(k)
-                own = said[name] = greedy(sess, student, sess.engine(), prompts)
+                student = sess.models.use_policy(k)
+                own = said[name] = greedy(sess, student, sess.models.engine(), prompts)
                 if cross:
                     result[name] = {"on_teacher_text": measure_spans(sess, student, prompts, t_prompts, teacher_resp,
                                                                      "teacher"),

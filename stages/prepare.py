@@ -85,7 +85,7 @@ SHOWN = 3  # differing ids named in a refusal
 def tokenizer_differences(student, teacher) -> tuple[str | None, list[str]]:
     """(what makes the pair unusable, or None; what else differs). Only the first changes a computed
     number: every prompt, response and SFT trace is tokenized, and every chat template applied, by the
-    student's tokenizer alone (rows/prompts.py, rows/tooluse.py and Session.tokenizer, the
+    student's tokenizer alone (rows/prompts.py, rows/tooluse.py and Resident.tokenizer, the
     privileged_context teacher's prompt and the protocol_sft teacher's traces included), and the
     teacher reads those ids. So the teacher's chat template, settings and text-to-ids rules are never
     used; a teacher tuned on another template then reads prompts in the student's format, a matter of

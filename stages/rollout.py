@@ -25,11 +25,11 @@ from .session import Session, phase
 def run(sess: Session, k: int) -> Path:
     if sess.cfg.env.name:  # multi-turn episodes on a tool environment
         return episodes(sess, k)
-    dig = sess.rollout_digest(k)
+    dig = sess.chain.rollout(k)
 
     def produce(tmp: Path) -> None:
         t_in = time.perf_counter()
-        cfg, tok = sess.cfg, sess.tokenizer()
+        cfg, tok = sess.cfg, sess.models.tokenizer()
         rows_in = sess.table("prompts", sess.prepared["prompts"], "train.parquet")
         idx = prompts.batch_indices(rows_in.num_rows, cfg.rollout.batch_size, k, sess.prepared["prompts"])
         idx = [i for i in idx for _ in range(cfg.rollout.n)]  # n samples per prompt, grouped
@@ -48,8 +48,8 @@ def run(sess: Session, k: int) -> Path:
             generate = teacher_sampler(sess)
             state["sampler"] = meta["sampler"] = "teacher"
         else:
-            sess.use_policy(k - 1, sample=True)  # engine build counts as input, not sampling
-            generate = sess.generate
+            sess.models.use_policy(k - 1, sample=True)  # engine build counts as input, not sampling
+            generate = sess.models.generate
         io = state["io_s"] = {"inputs": round(time.perf_counter() - t_in, 4)}  # outside the timed phase
         with phase(sess.device, state) as ph:
             out = generate(pids, cfg.rollout.max_new_tokens, seed_of(dig), min_new=cfg.rollout.min_new_tokens)
@@ -83,12 +83,12 @@ def run(sess: Session, k: int) -> Path:
 
 def teacher_sampler(sess: Session):
     """generate(prompt_ids, max_new, seed, min_new) sampling the teacher with the run's Sampling (as
-    Session.generate samples the student): evaluate's machinery, the rollout engine made on the teacher
+    Resident.generate samples the student): evaluate's machinery, the rollout engine made on the teacher
     (or the transformers fallback). Built per rollout, before the timed phase, and dropped with it: the
     engine's merged weight copy and graphs are not kept between steps (the memory plan has no teacher engine)."""
-    sess.activate("teacher")  # placement swap: the student waits in host memory
-    teacher, tok = sess.teacher(), sess.tokenizer()
-    engine = sampler.make(teacher, sess.cfg.rollout.cuda_graphs, sess.compiled_decode, sess.before_capture)
+    sess.models.activate("teacher")  # placement swap: the student waits in host memory
+    teacher, tok = sess.models.teacher(), sess.models.tokenizer()
+    engine = sampler.make(teacher, sess.cfg.rollout.cuda_graphs, sess.models.compiled_decode, sess.models.before_capture)
     kw = dict(eos=tok.eos_token_id, pad=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
               sampling=Sampling.of(sess.cfg.rollout))
 
@@ -103,15 +103,15 @@ def teacher_sampler(sess: Session):
 # ---- multi-turn episodes on a tool environment (env.name set) ----
 
 def episodes(sess: Session, k: int) -> Path:
-    dig = sess.rollout_digest(k)
+    dig = sess.chain.rollout(k)
 
     def produce(tmp: Path) -> None:
-        cfg, tok = sess.cfg, sess.tokenizer()
+        cfg, tok = sess.cfg, sess.models.tokenizer()
         env = envs.get(cfg.env.name)
         tasks = tooluse.load_tasks(sess, "train")
         idx = prompts.batch_indices(len(tasks), cfg.rollout.batch_size, k, f"{sess.prepared['tasks_train']}:{cfg.train.seed}")
         idx = [i for i in idx for _ in range(cfg.rollout.n)]  # n samples per task, grouped
-        sess.use_policy(k - 1, sample=True)  # engine built before the timed phase
+        sess.models.use_policy(k - 1, sample=True)  # engine built before the timed phase
         state: dict = {"stage": "rollout", "step": k, "digest": dig, "env": cfg.env.name}
         with phase(sess.device, state) as ph:
             trajs = tooluse.run_episodes(sess, env, [tasks[i] for i in idx], cfg.env.max_turns, cfg.env.max_tokens_per_turn,

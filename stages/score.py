@@ -27,7 +27,7 @@ def select_positions(sess: Session, ro: pa.Table, seed: int) -> np.ndarray:
     cfg = sess.cfg.selection
     spans = None
     if cfg.mode == "hybrid":
-        tok = sess.tokenizer()
+        tok = sess.models.tokenizer()
         spans = [selection.token_spans(tok, ids, cfg.keep_patterns) for ids in tables.lists(ro, "response_ids", np.int64)]
     sel = selection.select(cfg, tables.lists(ro, "response_mask", np.int8), seed, spans)
     return np.concatenate(sel).astype(bool) if sel else np.zeros(0, dtype=bool)
@@ -84,20 +84,20 @@ def student_topk(ids: np.ndarray, tlp: np.ndarray, al: pa.Table, t2s: np.ndarray
 
 
 def run(sess: Session, k: int) -> Path:
-    dig = sess.score_digest(k)
+    dig = sess.chain.score(k)
     cross = sess.cfg.objective.cross_tokenizer != "off"  # the teacher reads its own tokens of the text
 
     def produce(tmp: Path) -> None:
         cfg = sess.cfg
-        ro = sess.table("rollout", sess.rollout_digest(k), "rollout.parquet", batch.ROLLOUT_NEEDS)
+        ro = sess.table("rollout", sess.chain.rollout(k), "rollout.parquet", batch.ROLLOUT_NEEDS)
         if cross:
             # (the driver ran align(k) first: stages/align.py)
-            al = sess.table("align", sess.align_digest(k), "spans.parquet", alignment.NEEDS)
+            al = sess.table("align", sess.chain.align(k), "spans.parquet", alignment.NEEDS)
             ro = teacher_rows(al)
         needs = objectives.needs(cfg.objective)
         kk = cfg.objective.topk if "topk" in needs else 0
-        sess.activate("teacher")  # placement swap: the student waits in host memory
-        teacher = sess.teacher()
+        sess.models.activate("teacher")  # placement swap: the student waits in host memory
+        teacher = sess.models.teacher()
         if cfg.teacher_mode == "privileged_context":  # the teacher's prompt carries the oracle block
             ro = tooluse.with_teacher_prompts(sess, ro)
         p = batch.packed(ro, sess.device)
@@ -128,7 +128,7 @@ def run(sess: Session, k: int) -> Path:
                 "teacher_entropy": lst(pa.array(ent.astype(np.float32))),
                 "selected": lst(pa.array(sel.astype(np.int8)))}
         if kk and cross:  # over the student's positions, in student ids
-            s_bytes, t_bytes, _ = sess.alignment_maps()
+            s_bytes, t_bytes, _ = sess.models.alignment_maps()
             ids, tlp = student_topk(ids, tlp, al, alignment.vocab_map(t_bytes, s_bytes))
             s_len = [len(x) for x in al.column("student_span").to_pylist()]
             offs_s = pa.array(np.r_[0, np.cumsum(s_len)].astype(np.int32))

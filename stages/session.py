@@ -1,32 +1,31 @@
-"""A resolved run: config, store, device, the resident models, and the digest chain of its stages
-(stages/run/identity.py computes it; docs/architecture.md describes it)."""
+"""A resolved run, as the stages see it: its config, store and device, the resident models
+(`models`, stages/memory/resident.py), the digest chain of its stages (`chain`, stages/run/identity.py
+computes it) and the tables the loop hands on. docs/architecture.md describes how they fit."""
 from __future__ import annotations
 
-import json
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from .weights import adapters, ahead, lora, models
-from .weights.state import state
-from .engine import decoder, graphs, sampler, warmup
-from .engine.sampling import Sampling
-from .memory import hostmem, phases, placement, plan
+from .weights import models
+from .engine import warmup
+from .memory import hostmem, phases, placement
+from .memory.resident import Resident
 from .run import identity
-from .rows import alignment, tables
+from .rows import tables
 from .run.config import Config
 from .errors import UserError
-from .run.store import Store, link, seed_of, write_json
+from .run.store import Store, write_json
 
 
 class Session:
-    """One run's resolved state, shared by the stages: the config, the store, the device, the models
-    kept resident across the loop, and the digest chain. Stage modules read and use it; they never
-    reach into it: its attributes below are the interface. prepare (stages/prepare.py) sets
-    `prepared`; the driver (stages/train.py `session`) runs it before any stage."""
+    """One run's resolved state, shared by the stages: `cfg`, `store`, `device`, `models` (the
+    resident models: student, teacher, tokenizers, rollout engine, AdamW), `chain` (every stage's
+    digest) and the in-memory hand-on of the loop's tables. Stage modules read and use these; they
+    never reach into them. prepare (stages/prepare.py) sets `prepared`; the driver
+    (stages/train.py `session`) runs it before any stage."""
 
     def __init__(self, cfg: Config, planned: str | None = None, origin: str = "overrides"):
         self.t0 = time.perf_counter()
@@ -41,123 +40,48 @@ class Session:
         torch.set_num_threads(cfg.runtime.threads or torch.get_num_threads())
         self._prepared: dict | None = None
         self._chain: identity.Chain | None = None
-        self._student = self._teacher = self._engine = self._tok = self._tok_t = self._maps = None
-        self._policy: str | None = None  # digest of the policy whose adapter the student holds
-        # memory.placement as the plan resolves it (stages/memory/plan.py); a probe may fix it up front
-        self._placement: str | None = planned
-        self._on_host: set[str] = set()  # placement swap: the roles waiting in host memory
-        # the resident AdamW between updates: (policy digest it has stepped to, optimizer, named params)
-        self.optimizer: tuple | None = None
+        self.models = Resident(cfg, self.store, self.device, self.dtype, planned, self.mark)
         self.chunk_sizes: dict[str, int] = {}  # the position chunk that fit after a CUDA OOM, per stage
         self._tables: dict[str, tuple[str, str, object]] = {}  # stage -> (digest, file, its pa.Table): see table()
-        self._ahead = ahead.Ahead()  # reads started early (load_ahead), taken by name
         placement.limit_process(cfg.memory.vram_gib, self.device)
 
-    # ---- resident models (loaded on first use, kept for the whole loop) ----
-    def student(self):
-        if self._student is None:
-            _ = self.placement  # decided (or refused) before any weights load
-            base = models.load(self.model_dir("student"), self.cfg.student, self.device, self.dtype,
-                               self._ahead.take("student_weights"))  # (None: not read ahead)
-            self.mark("student_base_loaded")  # (imports, then the weights)
-            if self.cfg.memory.merge_in_place:
-                why = sampler.supported(base)
-                if why:
-                    print(f"warning: memory.merge_in_place: no fast rollout engine ({why}); nothing is merged in "
-                          "place", file=sys.stderr)
-                else:  # before any graph captures the weights' addresses
-                    decoder.fuse_projections(base)
-            if self.cfg.train.activation_checkpointing:  # only active in train() mode, i.e. the update
-                models.enable_activation_checkpointing(base, preserve_rng_state=self.cfg.lora.dropout > 0)
-            self._student = lora.add(base, self.cfg.lora, seed_of(self.init_digest()))
-            self.mark("lora_built")
-            if self._ahead:  # made beside policy 0, the engine and the rollout (stages/weights/ahead.py)
-                path = lambda role: self.store.path("model", self.prepared[role])  # noqa: E731
-                if "teacher_weights" in self._ahead:  # (the worker has read them by now, or is reading them)
-                    self._ahead.submit("teacher", lambda: ahead.verified(self.store, path("teacher"), models.load,
-                                       self.cfg.teacher, self.device, self.dtype, self._ahead.take("teacher_weights")))
-                self._ahead.submit("tokenizer", ahead.verified, self.store, path("student"), ahead.tokenizer)
-                self._ahead.submit("pandas", ahead.import_pandas)
-            if self.compiled_layers(self.cfg.student):
-                print("runtime.compile_layers: the student's decoder layers compile at the first update "
-                      "(about a minute on a cold compile cache)", file=sys.stderr, flush=True)
-                models.compile_layers(self._student, training=True)
-            self._graph_forwards(self._student, "student")
-            self.mark("student_loaded")
-        self._on_device("student")
-        return self._student
+    def mark(self, event: str) -> None:
+        """When `event` first happened, in s since the session opened (train.json, timings.startup_s)."""
+        self.timings.setdefault("startup_s", {}).setdefault(event, round(time.perf_counter() - self.t0, 4))
 
-    def teacher(self):
-        if self._teacher is None and self.placement == "shared_backbone":
-            self._teacher = placement.shared_teacher(self)  # the student's base, its LoRA disabled: one copy
-            # a view of the student's layers: compiled as they are (lmhead then runs them eager, in eval mode)
-            state(self._teacher).compiled = state(self._student).compiled
-            self._graph_forwards(self._teacher, "teacher")  # (on its view: not the student's setting)
-        if self._teacher is None:
-            teacher = self._ahead.take("teacher")
-            if teacher is None:
-                teacher = models.load(self.model_dir("teacher"), self.cfg.teacher, self.device, self.dtype)
-            if self.cfg.teacher_mode == "protocol_sft":  # base + the SFT teacher adapter, merged
-                dig = self.chain.teacher_adapter()
-                d = self.store.get("sft", dig)
-                if d is None:
-                    raise UserError(f"teacher_mode=protocol_sft: the teacher adapter sft/{dig[:12]} is not in the "
-                                    "store; run `opd stage train` first")
-                teacher = adapters.merged(teacher, d / "adapter", self.cfg.lora)
-            if self.compiled_layers(self.cfg.teacher):
-                models.compile_layers(teacher, training=False)
-            self._graph_forwards(teacher, "teacher")
-            self._teacher = teacher
-            self.mark("teacher_loaded")
-        self._on_device("teacher")
-        return self._teacher
+    # ---- what prepare published, and the digest chain made of it ----
+    @property
+    def prepared(self) -> dict:
+        if self._prepared is None:
+            raise UserError("internal: prepare has not run in this session (open it with stages.train.session)")
+        return self._prepared
 
-    def forward_length(self) -> int:
-        """CUDA: the padded length of every teacher-forced forward (stages/engine/graphs.py): the run's longest prompt +
-        response, so it replays one graph per batch size (longer inputs, multi-turn or evaluation's, pad further)."""
-        return graphs.bucket(self.cfg.data.max_prompt_tokens + self.cfg.rollout.max_new_tokens)
+    @prepared.setter
+    def prepared(self, record: dict) -> None:
+        self._prepared = record
+        self._chain = None
+        self.models.prepared, self.models.chain = record, self.chain
 
-    def _graph_forwards(self, model, role: str) -> None:
-        st = state(model)
-        st.use_graphs = role in phases.graphed_roles(self.cfg, self.device.type)
-        st.forward_length = self.forward_length()
-        st.before_capture = self.before_capture  # (graphs.hidden: as the engine's)
+    @property
+    def chain(self) -> identity.Chain:
+        """Every digest of the run (stages/run/identity.py): chain.rollout(k), chain.update(k), ..."""
+        if self._chain is None:
+            self._chain = identity.Chain(self.cfg, self.runtime_slice, self.prepared)
+        return self._chain
 
-    def before_capture(self) -> None:
-        """Before a CUDA graph capture: no other thread's device work (warm-up, a publish's sync, reads ahead)."""
-        warmup.wait()
-        self.store.flush()
-        self._ahead.join("teacher_weights", "teacher")
+    def runtime_slice(self) -> dict:
+        return identity.runtime_slice(self.cfg, self.device.type, self.dtype, self.models.forward_length,
+                                      phases.graphed_roles(self.cfg, self.device.type))
 
-    def tokenizer(self):
-        """The student's tokenizer (model_dir content-checks its files before anything is read)."""
-        if self._tok is None:  # (a tokenizer's truth is its vocabulary's size)
-            self._tok = self._ahead.take("tokenizer") or ahead.tokenizer(self.model_dir("student"))
-        return self._tok
+    def policy_dir(self, k: int) -> Path:
+        """Where policy version k is published: init, the SFT cold start or update k."""
+        return self.store.path(self.chain.policy_stage(k), self.chain.policy(k))
 
-    def teacher_tokenizer(self):
-        """The teacher's own tokenizer: a cross-tokenizer run's teacher reads its own tokens (stages/align.py)."""
-        if self._tok_t is None:
-            self._tok_t = ahead.tokenizer(self.model_dir("teacher"))
-        return self._tok_t
-
-    def alignment_maps(self) -> tuple:
-        """(student token bytes, teacher token bytes, student -> teacher special ids): stages/rows/alignment.py."""
-        if self._maps is None:
-            s, t = self.tokenizer(), self.teacher_tokenizer()
-            self._maps = (alignment.token_bytes(s), alignment.token_bytes(t), alignment.special_map(s, t))
-        return self._maps
-
-    def loaded_ahead(self) -> list[str] | None:  # (None: load_ahead never started)
-        return list(self._ahead.taken) if self._ahead else None
-
-    def load_ahead(self) -> None:
-        """Read what the first step waits for on a worker thread (stages/weights/ahead.py): the models' weights
-        from now on, and once the student's LoRA is built the teacher made of them, the tokenizer, pandas."""
-        self._ahead.start()
-        for role in ahead.weights_read(self.cfg, self.placement):
-            self._ahead.submit(f"{role}_weights", ahead.verified, self.store, self.store.path(
-                "model", self.prepared[role]), ahead.weights, self.device, self.dtype)
+    @property
+    def background_publish(self) -> bool:
+        """Publish the loop's outputs (rollout, scores, update) on a worker thread (CUDA: the host is
+        free while the GPU samples)."""
+        return self.device.type == "cuda"
 
     # ---- the tables the loop hands on (rollout -> score -> update) ----
     def table(self, stage: str, dig: str, name: str, required: dict | None = None):
@@ -185,186 +109,6 @@ class Session:
             write_json(tmp / "state.json", state)
 
         return rest
-
-    @property
-    def placement(self) -> str:  # resident | swap | shared_backbone: memory.placement, or the plan's for auto
-        if self._placement is None:
-            self._placement, _ = plan.decide(self.cfg)
-        return self._placement
-
-    def activate(self, role: str) -> None:
-        """The phase about to run uses `role`. Under placement swap the other role (the student with
-        its moments and rollout engine; or the teacher) waits in host memory; the engine's weights and
-        graphs live on the device, so it is dropped and rebuilt at the next rollout."""
-        if self.placement != "swap" or self.device.type == "cpu":
-            return
-        other = "teacher" if role == "student" else "student"
-        held = self._teacher if other == "teacher" else self._student
-        if held is not None and other not in self._on_host:
-            self.store.flush()  # an update still being written: its device snapshot is freed before the move
-            if other == "student":
-                self._engine = None
-            placement.move(held, torch.device("cpu"))
-            if other == "student" and self.optimizer:
-                placement.move_moments(self.optimizer[1], torch.device("cpu"))
-            self._on_host.add(other)
-            torch.cuda.empty_cache()  # give the freed blocks back so the incoming role can use them
-        self._on_device(role)
-
-    def _on_device(self, role: str) -> None:
-        """An accessor's promise: the role it returns is on the device (evicts nothing)."""
-        if role in self._on_host:
-            placement.move(self._teacher if role == "teacher" else self._student, self.device)
-            if role == "student" and self.optimizer:
-                placement.move_moments(self.optimizer[1], self.device)
-            self._on_host.discard(role)
-
-    def mark(self, event: str) -> None:
-        """When `event` first happened, in s since the session opened (train.json, timings.startup_s)."""
-        self.timings.setdefault("startup_s", {}).setdefault(event, round(time.perf_counter() - self.t0, 4))
-
-    def model_dir(self, role: str) -> Path:
-        """A materialised model dir, content-hashed before its weights are trusted (recomputed if damaged)."""
-        d = self.store.path("model", self.prepared[role])
-        if not self.store.verify(d):
-            models.ensure(self.store, getattr(self.cfg, role), role, deep=True)
-        return d
-
-    def use_policy(self, k: int, sample: bool = False):
-        """The student holding policy version k (adapter read back from the store). sample=True also
-        builds its rollout engine now, so the build stays outside the caller's timed phase."""
-        self.activate("student")  # rollout and update: the student's phases
-        student = self.use_adapter(self.chain.policy_stage(k), self.policy_digest(k))
-        if sample:
-            self.engine()
-        return student
-
-    def use_adapter(self, stage: str, dig: str):
-        """The student holding the adapter published by (stage, dig): init, sft or update."""
-        student = self.student()
-        if self._policy != dig:
-            lora.load(student, self.store.path(stage, dig) / "adapter")
-            self.adapter_changed(dig)
-        return student
-
-    def adapter_changed(self, dig: str) -> bool:
-        """The resident student now holds policy `dig` (loaded or trained in place). True when the
-        rollout engine was refreshed in place (CUDA)."""
-        self._policy = dig
-        if not self._engine:
-            return False
-        if self.device.type == "cuda":
-            self._engine.refresh()  # in place: the captured graphs keep reading the same buffers
-            return True
-        # CPU: rebuilt at the next rollout, exactly as a resumed process builds it from the loaded
-        # policy, so an uninterrupted and a resumed run share one construction path
-        self._engine = None
-        return False
-
-    def premerge(self) -> bool:  # the next rollout samples the current policy: merged now (sampler.Engine)
-        return bool(self._engine) and self._engine.premerge()
-
-    def engine(self):
-        """The rollout engine for the student's current policy (None: transformers fallback)."""
-        if self._engine is None:
-            self._engine = sampler.make(self.student(), self.cfg.rollout.cuda_graphs, self.compiled_decode,
-                                        self.before_capture) or False
-            if self._engine:
-                self.mark("engine_built")
-        return self._engine or None
-
-    def generate(self, prompt_ids: list[list[int]], max_new: int, seed: int, greedy: bool = False,
-                 min_new: int = 0):
-        """Sample from the student's current policy with the fast engine (or the transformers fallback)."""
-        tok = self.tokenizer()
-        kw = dict(eos=tok.eos_token_id, pad=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-                  seed=seed, sampling=Sampling.of(self.cfg.rollout, greedy), min_new=min_new)
-        eng = self.engine()
-        if eng is not None:
-            return eng.generate(prompt_ids, max_new, **kw)
-        return sampler.hf_generate(self.student(), prompt_ids, max_new, **kw)
-
-    # ---- what prepare published ----
-    @property
-    def prepared(self) -> dict:
-        if self._prepared is None:
-            raise UserError("internal: prepare has not run in this session (open it with stages.train.session)")
-        return self._prepared
-
-    @prepared.setter
-    def prepared(self, record: dict) -> None:
-        self._prepared = record
-        self._chain = None
-
-    @property
-    def background_publish(self) -> bool:
-        """Publish the loop's outputs (rollout, scores, update) on a worker thread (CUDA: the host is
-        free while the GPU samples)."""
-        return self.device.type == "cuda"
-
-    @property
-    def compiled_decode(self) -> bool:
-        return identity.compiled_decode(self.cfg, self.device.type)
-
-    def compiled_layers(self, mcfg) -> bool:
-        return identity.compiled_layers(self.cfg, mcfg, self.device.type)
-
-    def runtime_slice(self) -> dict:
-        return identity.runtime_slice(self.cfg, self.device.type, self.dtype, self.forward_length,
-                                      phases.graphed_roles(self.cfg, self.device.type))
-
-    # ---- digest chain (computed from the stages' declarations: stages/run/identity.py) ----
-    @property
-    def chain(self) -> identity.Chain:
-        if self._chain is None:
-            self._chain = identity.Chain(self.cfg, self.runtime_slice, self.prepared)
-        return self._chain
-
-    def init_digest(self) -> str:
-        return self.chain.init()
-
-    def policy_digest(self, k: int) -> str:
-        return self.chain.policy(k)
-
-    def policy_dir(self, k: int) -> Path:
-        return self.store.path(self.chain.policy_stage(k), self.policy_digest(k))
-
-    def rollout_digest(self, k: int) -> str:
-        return self.chain.rollout(k)
-
-    def score_digest(self, k: int) -> str:
-        return self.chain.score(k)
-
-    def align_digest(self, k: int) -> str:
-        return self.chain.align(k)
-
-    def update_digest(self, k: int) -> str:
-        return self.chain.update(k)
-
-    def teacher_inputs(self) -> dict:
-        return self.chain.teacher_inputs()
-
-    # ---- run view ----
-    def step_dir(self, k: int) -> Path:
-        return self.run_dir / f"step-{k:04d}"
-
-    def link_step(self, k: int) -> None:
-        d = self.step_dir(k)
-        pol = self.policy_dir(k)
-        self.store.wait(pol)  # its publish may still be running in the background
-        link(pol / "adapter", d / "adapter")
-        link(pol / "optimizer.safetensors", d / "optimizer.safetensors")
-        state = {"policy": json.loads((pol / "state.json").read_text())}
-        if k > 0:
-            files = {"rollout": (self.rollout_digest(k), "rollout.parquet"), "score": (self.score_digest(k), "scores.parquet")}
-            if self.cfg.objective.cross_tokenizer != "off":
-                files["align"] = (self.align_digest(k), "spans.parquet")
-            for name, (dig, file) in files.items():
-                sd = self.store.path(name, dig)
-                self.store.wait(sd)
-                link(sd / file, d / file)
-                state[name] = json.loads((sd / "state.json").read_text())
-        write_json(d / "state.json", state)
 
 
 @contextmanager

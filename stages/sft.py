@@ -52,7 +52,7 @@ def verified(env, task, turns: list[dict]) -> bool:
 
 def traces(sess: Session) -> tuple[list[tuple[list[int], list[int], list[int]]], int]:
     """([(prompt_ids, response_ids, response_mask)] of the verified traces, number rejected)."""
-    tok = sess.tokenizer()
+    tok = sess.models.tokenizer()
     g = tooluse.glue(tok)
     env = envs.get(sess.cfg.env.name)
     out, rejected = [], 0
@@ -144,10 +144,10 @@ def cold_start(sess: Session) -> Path:
     dig = sess.chain.cold_start()
 
     def produce(tmp: Path) -> None:
-        student = sess.use_adapter("init", sess.init_digest())
+        student = sess.models.use_adapter("init", sess.chain.init())
         _train(sess, student, dig, None, 0, sess.cfg.sft.steps, sess.cfg.sft.seed, tmp,
                f"opd-store/model/{sess.prepared['student']}")
-        sess.adapter_changed(dig)
+        sess.models.adapter_changed(dig)
 
     d, _ = sess.store.ensure("sft", dig, produce)
     return d
@@ -156,14 +156,14 @@ def cold_start(sess: Session) -> Path:
 def continued(sess: Session, steps: int) -> tuple[str, str]:
     """`steps` more SFT steps from policy 0 (published first by the driver), optimizer state carried on;
     returns (stage, digest)."""
-    parent_stage, parent = sess.chain.policy_stage(0), sess.policy_digest(0)
+    parent_stage, parent = sess.chain.policy_stage(0), sess.chain.policy(0)
     dig = sess.chain.continued(steps)
 
     def produce(tmp: Path) -> None:
-        student = sess.use_adapter(parent_stage, parent)
+        student = sess.models.use_adapter(parent_stage, parent)
         _train(sess, student, dig, sess.store.path(parent_stage, parent), sess.cfg.sft.steps, steps, sess.cfg.sft.seed,
                tmp, f"opd-store/model/{sess.prepared['student']}")
-        sess.adapter_changed(dig)
+        sess.models.adapter_changed(dig)
 
     sess.store.ensure("sft", dig, produce)
     return "sft", dig

@@ -53,10 +53,10 @@ def run(sess: Session, stage: str, policy: str) -> Path:
     dig = sess.chain.tooleval(stage, policy)
 
     def produce(tmp: Path) -> None:
-        cfg, tok = sess.cfg, sess.tokenizer()
+        cfg, tok = sess.cfg, sess.models.tokenizer()
         env = envs.get(cfg.env.name)
         tasks = tooluse.load_tasks(sess, "test")
-        sess.use_adapter(stage, policy)
+        sess.models.use_adapter(stage, policy)
         state: dict = {"stage": "tooleval", "digest": dig, "policy": policy}
         with phase(sess.device, state) as ph:
             trajs = tooluse.run_episodes(sess, env, tasks, cfg.env.max_turns, cfg.env.max_tokens_per_turn, seed=0,
@@ -78,7 +78,7 @@ def run(sess: Session, stage: str, policy: str) -> Path:
 
 def main(sess: Session, k: int) -> dict:
     """`opd tooleval [--step N]`: policy k (published) on the held-out tasks."""
-    d = run(sess, sess.chain.policy_stage(k), sess.policy_digest(k))
+    d = run(sess, sess.chain.policy_stage(k), sess.chain.policy(k))
     m = json.loads((d / "eval.json").read_text())
     print(f"tooleval policy {k}: strict {m['success']:.3f} lenient {m['success_lenient']:.3f} over {m['tasks']} "
           f"held-out tasks, {m['avg_turns']:.2f} turns, invalid-call rate {m['invalid_call_rate']:.3f} ({d})")

@@ -69,7 +69,7 @@ def ensure_policy(sess: Session, k: int) -> None:
     everything it computed published: a publish that failed on the worker thread raises here."""
     policy0(sess)
     for j in range(1, k + 1):
-        if sess.store.get("update", sess.update_digest(j)) is None:
+        if sess.store.get("update", sess.chain.update(j)) is None:
             rollout.run(sess, j)
             aligned(sess, j)
             score.run(sess, j)
@@ -80,7 +80,7 @@ def ensure_policy(sess: Session, k: int) -> None:
 def published_steps(sess: Session) -> list[int]:
     """The steps of this run whose update an earlier run published (by its manifest; not content-checked)."""
     return [k for k in range(1, sess.cfg.train.updates + 1)
-            if (sess.store.path("update", sess.update_digest(k)) / "manifest.json").is_file()]
+            if (sess.store.path("update", sess.chain.update(k)) / "manifest.json").is_file()]
 
 
 def plan_line(sess: Session, published: list[int]) -> str:
@@ -94,7 +94,7 @@ def plan_line(sess: Session, published: list[int]) -> str:
     if not published:
         return f"train: {K} step{'s' if K > 1 else ''} to compute"
     first = next(k for k in range(1, K + 1) if k not in published)
-    partial = [name for name, dig in (("rollout", sess.rollout_digest(first)), ("score", sess.score_digest(first)))
+    partial = [name for name, dig in (("rollout", sess.chain.rollout(first)), ("score", sess.chain.score(first)))
                if (sess.store.path(name, dig) / "manifest.json").is_file()]
     where = f" (its {' and '.join(partial)} published)" if partial else ""
     done = runview.ranges(published)
@@ -106,7 +106,7 @@ def plan_line(sess: Session, published: list[int]) -> str:
 
 def history_row(sess: Session, k: int) -> dict:
     st = {name: read_state(sess.store.path(name, dig)) for name, dig in
-          (("rollout", sess.rollout_digest(k)), ("score", sess.score_digest(k)), ("update", sess.update_digest(k)))}
+          (("rollout", sess.chain.rollout(k)), ("score", sess.chain.score(k)), ("update", sess.chain.update(k)))}
     u = st["update"]
     mem = [s.get("peak_allocated_gib", s.get("peak_rss_gib")) for s in st.values()]
     row = {"step": k, "loss": u.get("loss"), "kl": u.get("kl"), "grad_norm": u.get("grad_norm"),
@@ -124,9 +124,9 @@ def warm_up(sess: Session) -> None:
     cfg, r = sess.cfg, sess.cfg.rollout
     configs = [sess.store.path("model", sess.prepared[role]) / "config.json" for role in ("student", "teacher")]
     warmup.start(*configs, rows=r.batch_size * r.n, prompt=-(-cfg.data.max_prompt_tokens // 16) * 16,
-                 new=r.max_new_tokens, length=sess.forward_length(), rank=cfg.lora.r,
+                 new=r.max_new_tokens, length=sess.models.forward_length(), rank=cfg.lora.r,
                  sampling=(logit_temperature(r), r.top_p, r.temperature == 0), min_new=r.min_new_tokens,
-                 dtype=sess.dtype, device=sess.device, compiled=sess.compiled_decode,
+                 dtype=sess.dtype, device=sess.device, compiled=sess.models.compiled_decode,
                  precompile=cfg.runtime.precompile)
 
 
@@ -145,14 +145,14 @@ def run(sess: Session) -> dict:
             if cfg.runtime.warmup and cfg.memory.vram_gib is None:  # (a set budget does not plan its bytes)
                 warm_up(sess)
             if cfg.runtime.warmup:  # the tokenizer, pandas and the teacher read beside the student's load
-                sess.load_ahead()
+                sess.models.load_ahead()
                 ahead.favour_main_thread()  # until the first update: the threads wait for the main one
     sess.mark("prepared")
     policy0(sess)
     sess.mark("policy0_published")
     runview.begin(sess)  # the view is this run's from here (another run's steps are removed)
     write_json(sess.run_dir / "config.json", dataclasses.asdict(cfg))
-    sess.link_step(0)
+    runview.link_step(sess, 0)
     runview.add_step(sess, 0)
     print(plan_line(sess, published), flush=True)
     rows, reused = [], set()
@@ -163,7 +163,7 @@ def run(sess: Session) -> dict:
 
         def record(k: int) -> None:
             """Run view + history for step k (joins its background publish first)."""
-            sess.link_step(k)
+            runview.link_step(sess, k)
             runview.add_step(sess, k)
             # a step an earlier run published: its timings are from then, not from this process
             row = {**history_row(sess, k), "reused": int(k in reused)}
@@ -178,7 +178,7 @@ def run(sess: Session) -> dict:
         waiting: list[int] = []  # computed steps whose update may still be publishing in the background
         for k in range(1, cfg.train.updates + 1):
             t_step = time.perf_counter()
-            if sess.store.get("update", sess.update_digest(k)) is None:  # else: published, reuse
+            if sess.store.get("update", sess.chain.update(k)) is None:  # else: published, reuse
                 rollout.run(sess, k)
                 sess.mark("rollout_done")
                 aligned(sess, k)
@@ -186,15 +186,15 @@ def run(sess: Session) -> dict:
                 sess.mark("score_done")
                 update.run(sess, k)
                 sess.mark("update_done")
-                if k < cfg.train.updates and not sess.store.path("rollout", sess.rollout_digest(k + 1)).exists():
-                    sess.premerge()  # the next rollout samples policy k (memory.merge_in_place: merged now;
+                if k < cfg.train.updates and not sess.store.path("rollout", sess.chain.rollout(k + 1)).exists():
+                    sess.models.premerge()  # the next rollout samples policy k (memory.merge_in_place: merged now;
                     # whatever reads the weights first instead undoes it, decoder.base_ready)
                 if k == 1:  # construction (model loads, graph capture) + the first update
                     sess.timings["first_update_s"] = round(time.perf_counter() - sess.t0, 4)
                     # and as the user waits for it: from the process's start (interpreter, imports, CLI)
                     sess.timings["first_update_since_process_start_s"] = hostmem.process_age_s()
                     sess.timings.update(warmup.report())
-                    if (read := sess.loaded_ahead()) is not None:  # (stages/weights/ahead.py)
+                    if (read := sess.models.loaded_ahead()) is not None:  # (stages/weights/ahead.py)
                         sess.timings["loaded_ahead"] = read
                     ahead.restore_switch_interval()
                 # the whole step as a user waits for it: phases + Parquet/adapter IO + publishing
@@ -219,8 +219,8 @@ def run(sess: Session) -> dict:
         w.writeheader()
         w.writerows(rows)
     os.replace(tmp, sess.run_dir / "history.csv")
-    final = sess.policy_digest(cfg.train.updates)
-    out = {"updates": cfg.train.updates, "final_policy": final, "initial_policy": sess.init_digest(),
+    final = sess.chain.policy(cfg.train.updates)
+    out = {"updates": cfg.train.updates, "final_policy": final, "initial_policy": sess.chain.init(),
            "prepared": prepared, "final_loss": rows[-1]["loss"] if rows else None,
            # process-local timings (not part of any identity): session start -> first update published
            "timings": {**sess.timings, "total_s": round(time.perf_counter() - sess.t0, 4),

@@ -8,6 +8,7 @@ change the value. Writes the PEFT adapter dir, optimizer.safetensors and state.j
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ def load_scores(sess: Session, k: int, topk: int, cross: bool = False) -> dict:
     need = {"uid": None} if cross else {"uid": None, "teacher_logprobs": None, "selected": None}
     if topk:
         need.update(topk_ids=None, topk_logprobs=None)
-    t = sess.table("score", sess.score_digest(k), "scores.parquet", need)
+    t = sess.table("score", sess.chain.score(k), "scores.parquet", need)
     if cross:
         return {"topk_ids": tables.flat(t, "topk_ids", np.int64).reshape(-1, topk),
                 "topk_logprobs": tables.flat(t, "topk_logprobs", np.float32).reshape(-1, topk)}
@@ -48,8 +49,8 @@ def load_scores(sess: Session, k: int, topk: int, cross: bool = False) -> dict:
 def span_inputs(sess: Session, k: int) -> tuple[np.ndarray, Spans]:
     """A cross-tokenizer run's inputs (stages/align.py): (keep [n] bool over the packed student
     positions: those in exact spans the teacher scored, Spans)."""
-    al = sess.table("align", sess.align_digest(k), "spans.parquet", alignment.NEEDS)
-    t = sess.table("score", sess.score_digest(k), "scores.parquet", {"uid": None, "span_logprobs": None})
+    al = sess.table("align", sess.chain.align(k), "spans.parquet", alignment.NEEDS)
+    t = sess.table("score", sess.chain.score(k), "scores.parquet", {"uid": None, "span_logprobs": None})
     span_lp = tables.flat(t, "span_logprobs", np.float32)  # [S] over the batch's spans, rows end to end
     n_spans = [len(x) for x in al.column("span_exact").to_pylist()]
     base = np.r_[0, np.cumsum(n_spans)[:-1]].astype(np.int64)  # each row's first span
@@ -60,10 +61,28 @@ def span_inputs(sess: Session, k: int) -> tuple[np.ndarray, Spans]:
     return keep, Spans(ids, span_lp)
 
 
-def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch.Tensor, sc: dict,
-                      advantages: torch.Tensor | None = None, keep: np.ndarray | None = None,
-                      chunk: int | None = None, spans: Spans | None = None) -> dict:
-    """Chunked objective with one backward through the backbone. Returns scalar diagnostics.
+@dataclass
+class Sums:
+    """The update's scalars, still on the device: vals [2 + len(names)] holds the loss, the count of
+    loss positions and each diagnostic's sum over them. Read with one transfer."""
+    vals: torch.Tensor
+    names: list[str]
+
+    def read(self, vals: list[float] | None = None) -> dict:
+        """{"loss": ..., diagnostic: its mean}; vals: self.vals already on the host (a list)."""
+        vals = self.vals.tolist() if vals is None else vals
+        return {"loss": vals[0], **{k: v / vals[1] for k, v in zip(self.names, vals[2:])}}
+
+
+def loss_and_backward(*args, **kwargs) -> dict:
+    """`backward_sums`, read: the scalar diagnostics."""
+    return backward_sums(*args, **kwargs).read()
+
+
+def backward_sums(sess: Session, student, p: lmhead.Packed, sample_lp: torch.Tensor, sc: dict,
+                  advantages: torch.Tensor | None = None, keep: np.ndarray | None = None,
+                  chunk: int | None = None, spans: Spans | None = None) -> Sums:
+    """Chunked objective with one backward through the backbone. Returns its scalar sums, unread.
     chunk: positions per LM-head/loss chunk (default train.chunk; smaller after a CUDA OOM).
 
     keep: [n] bool over the packed positions (score's `selected`): only those reach the LM head and
@@ -95,7 +114,7 @@ def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch
     h_t = head_t = None
     if "full" in ob.NEEDS:  # a full teacher row per token is too big to store: recompute it here, chunked
         with torch.no_grad():
-            h_t, head_t = lmhead.hidden(sess.teacher(), p), lmhead.head_weight(sess.teacher())  # [n, H]
+            h_t, head_t = lmhead.hidden(sess.models.teacher(), p), lmhead.head_weight(sess.models.teacher())  # [n, H]
     # sums stay on the device (one transfer at the end)
     loss_sum = torch.zeros((), device=dev)
     diag_sums: dict[str, torch.Tensor] = {}
@@ -125,12 +144,28 @@ def loss_and_backward(sess: Session, student, p: lmhead.Packed, sample_lp: torch
     if leaf.grad is not None:
         h.backward(leaf.grad)  # the single backward through the backbone
     names = list(diag_sums)
-    # one transfer for every scalar (float32 values, divided on the host as before)
-    vals = torch.stack([loss_sum, mask.sum().clamp_min(1), *(diag_sums[k] for k in names)]).tolist()
-    n_tok = vals[1]
-    tot = {"loss": vals[0]}
-    tot.update({k: v / n_tok for k, v in zip(names, vals[2:])})
-    return tot
+    # every scalar in one float32 tensor: one transfer when read (divided on the host)
+    return Sums(torch.stack([loss_sum, mask.sum().clamp_min(1).float(), *(diag_sums[k] for k in names)]), names)
+
+
+def guarded_step(opt, sums: Sums, grad_norm: torch.Tensor, k: int) -> tuple[dict, float]:
+    """The optimizer step, never taken on a non-finite loss or gradient norm, and the update's
+    diagnostics and norm, read in one transfer. A fused AdamW (CUDA's) is queued before anything is
+    read, the device skipping the step where `found_inf` says so: the host launches it while the
+    backward still runs instead of waiting for it. Other optimizers step once the values are read."""
+    fused = bool(opt.defaults.get("fused"))
+    if fused:
+        opt.found_inf = (~torch.isfinite(sums.vals[0] + grad_norm)).float()  # [] 1.0: skip the step
+        opt.step()
+    vals = torch.cat([sums.vals, grad_norm.reshape(1).to(sums.vals.dtype)]).tolist()
+    stats, gn = sums.read(vals[:-1]), vals[-1]
+    if not np.isfinite(stats["loss"]):
+        raise UserError(f"update step {k}: loss is {stats['loss']}; stopped before publishing policy {k}")
+    if not np.isfinite(gn):
+        raise UserError(f"update step {k}: gradient norm is {gn}; stopped before publishing")
+    if not fused:
+        opt.step()
+    return stats, gn
 
 
 def trajectory_advantages(ro, cfg, k: int) -> torch.Tensor:
@@ -146,13 +181,13 @@ def trajectory_advantages(ro, cfg, k: int) -> torch.Tensor:
 
 
 def run(sess: Session, k: int) -> Path:
-    dig = sess.update_digest(k)
+    dig = sess.chain.update(k)
 
     def produce(tmp: Path) -> None:
         t_in = time.perf_counter()
         cfg = sess.cfg
         prev = sess.policy_dir(k - 1)  # init, the SFT cold start, or update k-1
-        ro = sess.table("rollout", sess.rollout_digest(k), "rollout.parquet", batch.ROLLOUT_NEEDS)
+        ro = sess.table("rollout", sess.chain.rollout(k), "rollout.parquet", batch.ROLLOUT_NEEDS)
         needs = objectives.needs(cfg.objective)
         spans = None
         if cfg.objective.cross_tokenizer != "off":  # the teacher's numbers are per aligned span
@@ -161,7 +196,7 @@ def run(sess: Session, k: int) -> Path:
         else:
             sc = load_scores(sess, k, cfg.objective.topk if "topk" in needs else 0)
             keep = sc.pop("selected")
-        student = sess.use_policy(k - 1)
+        student = sess.models.use_policy(k - 1)
         p = batch.packed(ro, sess.device)
         sample_lp = torch.as_tensor(tables.flat(ro, "sample_logprobs", np.float32), device=sess.device)
         adv = None
@@ -169,8 +204,8 @@ def run(sess: Session, k: int) -> Path:
             traj = trajectory_advantages(ro, cfg, k)  # [B]
             adv = traj.to(sess.device)[p.rows]  # [n]
         # after an SFT cold start the distillation starts its own Adam moments (the SFT loss's are not its)
-        live = sess.optimizer
-        if live and live[0] == sess.policy_digest(k - 1):  # resident AdamW already holds policy k-1's state
+        live = sess.models.optimizer
+        if live and live[0] == sess.chain.policy(k - 1):  # resident AdamW already holds policy k-1's state
             opt, named = live[1], live[2]
         else:  # after an SFT cold start the distillation starts its own Adam moments (the SFT loss's are not its)
             sess.store.wait(prev)  # (read from its published file)
@@ -188,17 +223,12 @@ def run(sess: Session, k: int) -> Path:
         def attempt(chunk: int):  # run again with a halved chunk after a CUDA OOM (placement.chunk_retry)
             opt.zero_grad(set_to_none=True)  # a failed attempt's partial gradients are discarded
             torch.manual_seed(int(dig[:8], 16))  # LoRA dropout, if any, draws from the stage's own seed
-            return loss_and_backward(sess, student, p, sample_lp, sc, adv, keep, chunk=chunk, spans=spans)
+            return backward_sums(sess, student, p, sample_lp, sc, adv, keep, chunk=chunk, spans=spans)
 
         with phase(sess.device, state, tokens=int(p.mask.sum())):
-            stats = placement.chunk_retry(sess, "update", k, state, attempt)
-            if not np.isfinite(stats["loss"]):
-                raise UserError(f"update step {k}: loss is {stats['loss']}; stopped before publishing policy {k}")
+            sums = placement.chunk_retry(sess, "update", k, state, attempt)
             gn = torch.nn.utils.clip_grad_norm_([q for _, q in named], cfg.optim.max_grad_norm or float("inf"))
-            gn = float(gn)  # the phase's one more sync: the step must not run on a non-finite gradient
-            if not np.isfinite(gn):
-                raise UserError(f"update step {k}: gradient norm is {gn}; stopped before publishing")
-            opt.step()
+            stats, gn = guarded_step(opt, sums, gn, k)
         # the files' values, snapshotted in order with the step that made them: the publish thread
         # writes them while the next step runs (whose optimizer step changes the live tensors)
         adapter_now = adapters.host_copy(adapters.adapter_state(student))
@@ -210,9 +240,9 @@ def run(sess: Session, k: int) -> Path:
         sess.store.wait(prev)
         io["wait_previous_publish"] = round(time.perf_counter() - t_w, 4)
         t_r = time.perf_counter()
-        if sess.adapter_changed(dig):  # the resident student now holds policy k; CUDA: engine refreshed in place
+        if sess.models.adapter_changed(dig):  # the resident student now holds policy k; CUDA: engine refreshed in place
             io["engine_refresh"] = round(time.perf_counter() - t_r, 4)  # (CPU drops it; the next rollout builds it)
-        sess.optimizer = (dig, opt, named)  # ...and the resident AdamW its moments (no reload next step)
+        sess.models.optimizer = (dig, opt, named)  # ...and the resident AdamW its moments (no reload next step)
         state.update({k2: round(v, 6) for k2, v in stats.items()}, grad_norm=round(gn, 6))
         state["kl"] = state["loss"] if cfg.objective.name == "forward_kl_topk" else None
 
@@ -239,15 +269,15 @@ def run(sess: Session, k: int) -> Path:
 
 def init(sess: Session) -> Path:
     """Policy version 0: the freshly initialised LoRA (B = 0, so it equals the base) and no optimizer state."""
-    dig = sess.init_digest()
+    dig = sess.chain.init()
 
     def produce(tmp: Path) -> None:
-        student = sess.student()
+        student = sess.models.student()
         adapters.save_adapter(student, tmp / "adapter", f"opd-store/model/{sess.prepared['student']}")
         adapters.save_tensors(tmp / "optimizer.safetensors", {})
         n_train = sum(q.numel() for _, q in models.trainable(student))
         write_json(tmp / "state.json", {"stage": "init", "digest": dig, "trainable_params": n_train})
-        sess.adapter_changed(dig)
+        sess.models.adapter_changed(dig)
 
     d, _ = sess.store.ensure("init", dig, produce)
     return d

@@ -97,7 +97,7 @@ class Run:
         ev = json.loads((self.dir / "eval.json").read_text())
         for who in ("initial", "final"):
             assert math.isfinite(ev[who]["on_teacher_text"]["kl"]) and ev[who]["on_teacher_text"]["tokens"] > 0, who
-        # the rollout engine sampled every rollout (Session.engine marks it; the fallback never does)
+        # the rollout engine sampled every rollout (Resident.engine marks it; the fallback never does)
         assert "engine_built" in self.train["timings"]["startup_s"], self.train["timings"]["startup_s"]
 
 

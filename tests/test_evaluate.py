@@ -16,7 +16,7 @@ from support import TINY, opd, session
 
 @pytest.fixture
 def tok(work):
-    return session(work).tokenizer()  # the real SmolLM2 tokenizer, from the seeded store
+    return session(work).models.tokenizer()  # the real SmolLM2 tokenizer, from the seeded store
 
 
 def test_answers_flags_blank_and_repeating_answers(tok):

@@ -54,7 +54,7 @@ def test_a_three_update_run_completes_with_finite_loss_and_held_out_numbers(ran)
 def test_rollouts_are_the_teacher_s_samples_and_their_logprobs_the_teacher_s(ran, monkeypatch):
     monkeypatch.chdir(ran)
     sess = session(ran, *OFF)
-    cfg, tok, teacher = sess.cfg, sess.tokenizer(), sess.teacher()
+    cfg, tok, teacher = sess.cfg, sess.models.tokenizer(), sess.models.teacher()
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     T = config.logit_temperature(cfg.rollout)
     eng = sampler.make(teacher, use_graphs=False)
@@ -64,7 +64,7 @@ def test_rollouts_are_the_teacher_s_samples_and_their_logprobs_the_teacher_s(ran
     monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
     prompts, resp, rec = [], [], []
     for k in (1, 2):
-        dig = sess.rollout_digest(k)
+        dig = sess.chain.rollout(k)
         f = ran / "artifacts" / "runs" / "default" / f"step-{k:04d}" / "rollout.parquet"
         meta = pq.read_metadata(f).metadata
         assert meta[b"opd.digest"].decode() == dig and meta[b"opd.sampler"] == b"teacher"

@@ -23,7 +23,7 @@ from stages.weights import models
 from stages.weights.state import state
 from stages.rows import tables
 from stages.errors import UserError
-from stages.session import Session
+from stages.memory.resident import Resident
 from engine_models import tempered_logprob
 
 # teacher = the student's own base (same name/init/keep_layers): what shared_backbone needs
@@ -41,11 +41,11 @@ def perturb_lora(student, seed=0):
 def test_shared_backbone_teacher_equals_a_separate_copy(work, monkeypatch):
     sess = session(work, *SAME, "memory.placement=shared_backbone")
     assert sess.prepared["student"] == sess.prepared["teacher"]
-    student = sess.student()
+    student = sess.models.student()
     perturb_lora(student)  # a trained-looking adapter: the shared teacher must not see it
-    shared = sess.teacher()
+    shared = sess.models.teacher()
     assert isinstance(shared, placement.SharedTeacher) and shared.peft is student
-    copy = models.load(sess.model_dir("teacher"), sess.cfg.teacher, sess.device, sess.dtype)
+    copy = models.load(sess.models.model_dir("teacher"), sess.cfg.teacher, sess.device, sess.dtype)
     assert sum(p.numel() for p in copy.parameters()) > 0  # the reference: a second copy of the weights
     p = lmhead.pack([[1, 500, 600, 700], [1, 42]], [[5, 6, 7, 8, 9], [11, 12, 13]], [[1] * 5, [1] * 3], 2, "cpu")
     with torch.no_grad():
@@ -92,7 +92,7 @@ def _fresh_run(work: Path, *over) -> tuple[str, bytes, bytes, dict]:
     for stage in ("rollout", "score", "update"):
         shutil.rmtree(work / "artifacts" / "store" / stage, ignore_errors=True)
     dig, adapter, sess = _final_adapter(work, *over)
-    return dig, adapter, (sess.store.path("rollout", sess.rollout_digest(2)) / "rollout.parquet").read_bytes(), sess
+    return dig, adapter, (sess.store.path("rollout", sess.chain.rollout(2)) / "rollout.parquet").read_bytes(), sess
 
 
 def _with_and_without_merge_in_place(work: Path, *over):
@@ -101,30 +101,30 @@ def _with_and_without_merge_in_place(work: Path, *over):
     runs = {flag: _fresh_run(work, "memory.placement=resident", f"memory.merge_in_place={flag}", *over)
             for flag in ("false", "true")}
     for flag, (*_, sess) in runs.items():
-        assert sess.engine().in_place == (flag == "true")
+        assert sess.models.engine().in_place == (flag == "true")
     assert runs["false"][:3] == runs["true"][:3]
     return runs["true"][3]
 
 
 def test_shared_backbone_run_publishes_what_resident_does(work, tmp_path):
     dig_r, bytes_r, s_r = _final_adapter(work, "memory.placement=resident")
-    assert s_r.placement == "resident" and not isinstance(s_r._teacher, placement.SharedTeacher)
+    assert s_r.models.placement == "resident" and not isinstance(s_r.models._teacher, placement.SharedTeacher)
     shutil.rmtree(work / "artifacts" / "store" / "update")
     shutil.rmtree(work / "artifacts" / "store" / "score")
     dig_s, bytes_s, s_s = _final_adapter(work, "memory.placement=auto")  # auto: same base -> shared
-    assert s_s.placement == "shared_backbone" and isinstance(s_s._teacher, placement.SharedTeacher)
+    assert s_s.models.placement == "shared_backbone" and isinstance(s_s.models._teacher, placement.SharedTeacher)
     assert dig_r == dig_s and bytes_r == bytes_s
 
 
 def test_refusals_come_before_any_weights_load(work):
     sess = session(work, "memory.placement=shared_backbone")  # tiny-llama vs tiny-llama-teacher
     with pytest.raises(UserError, match="bases differ"):
-        sess.student()
-    assert sess._student is None and sess._teacher is None
+        sess.models.student()
+    assert sess.models._student is None and sess.models._teacher is None
     sess = session(work, "memory.placement=swap", "student.quant=nf4")
     with pytest.raises(UserError, match="use memory.placement=resident"):
-        sess.teacher()
-    assert sess._student is None and sess._teacher is None
+        sess.models.teacher()
+    assert sess.models._student is None and sess.models._teacher is None
 
 
 def test_shared_teacher_refuses_different_materialised_models():
@@ -138,21 +138,21 @@ def test_swap_moves_the_idle_role_and_drops_the_engine(monkeypatch):
     monkeypatch.setattr(placement, "move", lambda model, dev: moves.append((model, dev.type)))
     # an update still being written on the publish thread reads the student's tensors: joined first
     store = SimpleNamespace(flush=lambda: moves.append(("flush", None)))
-    sess = object.__new__(Session)  # the swap bookkeeping alone: no config, no models
-    sess.__dict__.update(_placement="swap", device=torch.device("cuda"), _student="S", _teacher="T",
-                         _engine="E", _on_host=set(), store=store, optimizer=None)
-    sess.activate("teacher")  # score: the student (and its engine) wait in host memory
-    assert moves == [("flush", None), ("S", "cpu")] and sess._on_host == {"student"} and sess._engine is None
+    res = object.__new__(Resident)  # the swap bookkeeping alone: no config, no models
+    res.__dict__.update(_placement="swap", device=torch.device("cuda"), _student="S", _teacher="T",
+                        _engine="E", _on_host=set(), store=store, optimizer=None)
+    res.activate("teacher")  # score: the student (and its engine) wait in host memory
+    assert moves == [("flush", None), ("S", "cpu")] and res._on_host == {"student"} and res._engine is None
     moves.remove(("flush", None))
-    sess.activate("student")  # rollout/update: the teacher leaves, the student comes back
-    assert moves[1:] == [("flush", None), ("T", "cpu"), ("S", "cuda")] and sess._on_host == {"teacher"}
+    res.activate("student")  # rollout/update: the teacher leaves, the student comes back
+    assert moves[1:] == [("flush", None), ("T", "cpu"), ("S", "cuda")] and res._on_host == {"teacher"}
     moves.remove(("flush", None))
-    sess._on_device("teacher")  # an accessor (evaluate) brings it back, evicting nothing
-    assert moves[3:] == [("T", "cuda")] and sess._on_host == set()
+    res._on_device("teacher")  # an accessor (evaluate) brings it back, evicting nothing
+    assert moves[3:] == [("T", "cuda")] and res._on_host == set()
     moves.clear()
     for where in ("resident", "shared_backbone"):
-        Session.activate(SimpleNamespace(placement=where, device=torch.device("cuda")), "teacher")
-    Session.activate(SimpleNamespace(placement="swap", device=torch.device("cpu")), "teacher")
+        Resident.activate(SimpleNamespace(placement=where, device=torch.device("cuda")), "teacher")
+    Resident.activate(SimpleNamespace(placement="swap", device=torch.device("cpu")), "teacher")
     assert moves == []  # nothing moves elsewhere, nor on CPU (the device is host memory)
 
 
@@ -223,9 +223,9 @@ def test_oom_halves_the_chunk_records_retries_and_publishes_the_same(work, monke
     b = tables.read(sd_ref / "scores.parquet")
     sel = np.concatenate(a.column("selected").to_pylist()).astype(bool)
     assert (sel == np.concatenate(b.column("selected").to_pylist()).astype(bool)).all() and sel.sum() > 0
-    ro = tables.read(sess.store.path("rollout", sess.rollout_digest(1)) / "rollout.parquet")
+    ro = tables.read(sess.store.path("rollout", sess.chain.rollout(1)) / "rollout.parquet")
     ps = batch.subset(batch.packed(ro, sess.device), torch.from_numpy(sel))
-    teacher = sess.teacher()
+    teacher = sess.models.teacher()
     import transformers.masking_utils as mu
 
     monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)  # traceable: the batch is padded
@@ -264,7 +264,7 @@ def test_oom_past_the_floor_is_a_clear_error_and_publishes_nothing(work, monkeyp
     msg = str(e.value)
     assert "\n" not in msg and "score step 1: CUDA out of memory at position chunk 4" in msg
     assert "memory.chunk_floor = 4" in msg and "chunks 16, 8, 4" in msg and "memory.placement=swap" in msg
-    assert not (work / "artifacts" / "store" / "score" / sess.score_digest(1)).exists()
+    assert not (work / "artifacts" / "store" / "score" / sess.chain.score(1)).exists()
 
 
 def test_other_errors_are_not_retried(monkeypatch):
@@ -337,7 +337,7 @@ def test_fused_projections_compute_what_the_model_computed():
 
     ref, fused = with_trained_lora(tiny()), tiny()
     decoder.fuse_projections(fused)
-    fused = with_trained_lora(fused)  # the order Session uses: fused at load, then the adapter
+    fused = with_trained_lora(fused)  # the order Resident uses: fused at load, then the adapter
     base = models.base_of(fused)
     flat = state(base).flat
     a = base.model.layers[1].self_attn
@@ -407,7 +407,7 @@ def test_a_merge_enqueued_ahead_is_undone_before_anything_else_reads_the_base():
 
 def test_merge_in_place_run_publishes_what_the_copy_does(work):
     sess = _with_and_without_merge_in_place(work)
-    base = models.base_of(sess.student())  # CPU: restored in place after each generate
+    base = models.base_of(sess.models.student())  # CPU: restored in place after each generate
     assert torch.equal(state(base).flat, state(base).pristine)
 
 
@@ -416,5 +416,5 @@ def test_merge_in_place_refusals(work):
         session(work, "memory.merge_in_place=true", "student.quant=nf4")
     sess = session(work, "memory.merge_in_place=true", "memory.placement=swap")
     with pytest.raises(UserError, match="memory.placement=swap with memory.merge_in_place=true"):
-        sess.student()
-    assert sess._student is None
+        sess.models.student()
+    assert sess.models._student is None

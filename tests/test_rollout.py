@@ -10,13 +10,13 @@ def test_rows_match_the_prompts_they_sample_across_an_epoch_boundary(work):
     prompt_index names (a reward only where that prompt has a ground truth), and uids stay unique."""
     sess = session(work, "runtime.threads=1", "rollout.batch_size=3", "rollout.n=2")
     train.run(sess)  # (updates 1-2: rollouts 2-3 sample policies 1-2)
-    tok = sess.tokenizer()
+    tok = sess.models.tokenizer()
     src = tables.read(sess.store.path("prompts", sess.prepared["prompts"]) / "train.parquet").to_pylist()
     truths = [rewards.ground_truth(r) for r in src]
     assert any(truths) and not all(truths)  # arith_words: prompts with and without a ground truth
     seen = set()
     for k in (1, 2, 3):
-        ro = tables.read(sess.store.path("rollout", sess.rollout_digest(k)) / "rollout.parquet").to_pylist()
+        ro = tables.read(sess.store.path("rollout", sess.chain.rollout(k)) / "rollout.parquet").to_pylist()
         idx = prompts.batch_indices(len(src), 3, k, sess.prepared["prompts"])
         assert [r["prompt_index"] for r in ro] == [i for i in idx for _ in range(2)]
         for r in ro:
@@ -34,7 +34,7 @@ def test_rows_match_the_prompts_they_sample_across_an_epoch_boundary(work):
 
     for stage, name, own in (("rollout", "rollout.parquet", {}),
                              ("score", "scores.parquet", {b"opd.topk": b"8", b"opd.selection": b"all"})):
-        dig = getattr(sess, f"{stage}_digest")(2)
+        dig = getattr(sess.chain, stage)(2)
         md = pq.read_schema(sess.store.path(stage, dig) / name).metadata
         assert md[b"opd.digest"] == dig.encode() and md[b"opd.tokenizer"] == sess.prepared["tokenizer"].encode()
         assert {k: md[k] for k in own} == own

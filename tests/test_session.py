@@ -23,7 +23,7 @@ def test_a_steps_rollout_goes_on_from_memory_and_equals_its_published_file(work,
     d = rollout.run(sess, 1)
     assert reads == ["train.parquet"]  # the prompts, read once
     rollout.run(sess, 1)  # published: nothing produced, nothing read again
-    dig = sess.rollout_digest(1)
+    dig = sess.chain.rollout(1)
     held = sess.table("rollout", dig, "rollout.parquet", batch.ROLLOUT_NEEDS)
     assert reads == ["train.parquet"]
     on_disk = real(d / "rollout.parquet")
@@ -70,13 +70,13 @@ def test_checkpointing_stashes_rng_state_only_with_lora_dropout(work, dropout):
     from stages.weights import models
 
     sess = session(work, "runtime.threads=1", "train.activation_checkpointing=true", f"lora.dropout={dropout}")
-    layer = models.base_of(sess.student()).model.layers[0]
+    layer = models.base_of(sess.models.student()).model.layers[0]
     assert layer.gradient_checkpointing
     assert layer._gradient_checkpointing_func.keywords == {"use_reentrant": False, "preserve_rng_state": dropout > 0}
 
 
 def test_reads_ahead_give_the_same_models_and_policy_0_and_a_damaged_dir_is_recomputed_in_line(work):
-    """Session.load_ahead (CUDA runs start it; here on the CPU): the models' weights, the tokenizer and
+    """Resident.load_ahead (CUDA runs start it; here on the CPU): the models' weights, the tokenizer and
     the teacher made of its weights come from its thread, bit for bit what the in-line loads give, and
     the student's LoRA (drawn from the global generator while the teacher loads) is the same; a teacher
     dir whose hash fails is not read ahead: the in-line path recomputes it, warning once; weights
@@ -87,17 +87,17 @@ def test_reads_ahead_give_the_same_models_and_policy_0_and_a_damaged_dir_is_reco
 
     # bf16 as the models are stored (the weights are read ahead only in the dtype the run computes in)
     plain = session(work, "runtime.threads=1", "runtime.dtype=bfloat16")
-    lora = {n: p.detach().clone() for n, p in models.trainable(plain.student())}
+    lora = {n: p.detach().clone() for n, p in models.trainable(plain.models.student())}
     # (copied: loaded in the dtype stored, CPU tensors may map the file, which the damage below rewrites)
-    teacher = {k: v.clone() for k, v in plain.teacher().state_dict().items()}
+    teacher = {k: v.clone() for k, v in plain.models.teacher().state_dict().items()}
     sess = session(work, "runtime.threads=1", "runtime.dtype=bfloat16")
-    sess.load_ahead()
-    assert {n: p for n, p in models.trainable(sess.student())}.keys() == lora.keys()
-    assert all(torch.equal(p, lora[n]) for n, p in models.trainable(sess.student()))
-    assert sess.tokenizer().eos_token_id == plain.tokenizer().eos_token_id
-    got = sess.teacher().state_dict()
+    sess.models.load_ahead()
+    assert {n: p for n, p in models.trainable(sess.models.student())}.keys() == lora.keys()
+    assert all(torch.equal(p, lora[n]) for n, p in models.trainable(sess.models.student()))
+    assert sess.models.tokenizer().eos_token_id == plain.models.tokenizer().eos_token_id
+    got = sess.models.teacher().state_dict()
     assert got.keys() == teacher.keys() and all(torch.equal(got[k], teacher[k]) for k in teacher)
-    assert sess.loaded_ahead() == ["student_weights", "teacher_weights", "tokenizer", "teacher"]  # (as taken)
+    assert sess.models.loaded_ahead() == ["student_weights", "teacher_weights", "tokenizer", "teacher"]  # (as taken)
 
     d = sess.store.path("model", sess.prepared["teacher"])
     f = d / "model.safetensors"
@@ -106,13 +106,13 @@ def test_reads_ahead_give_the_same_models_and_policy_0_and_a_damaged_dir_is_reco
     f.write_bytes(bytes(raw))
     again = session(work, "runtime.threads=1", "runtime.dtype=bfloat16")
     again.store.verify_soon(d)
-    again.load_ahead()
-    again.student()
-    got = again.teacher().state_dict()
+    again.models.load_ahead()
+    again.models.student()
+    got = again.models.teacher().state_dict()
     assert all(torch.equal(got[k], teacher[k]) for k in teacher)  # recomputed in line, the same weights
-    assert again.loaded_ahead() == ["student_weights"]  # (its dir is undamaged)
-    assert again.tokenizer() is not None and again.loaded_ahead() == ["student_weights", "tokenizer"]
+    assert again.models.loaded_ahead() == ["student_weights"]  # (its dir is undamaged)
+    assert again.models.tokenizer() is not None and again.models.loaded_ahead() == ["student_weights", "tokenizer"]
     fp32 = session(work, "runtime.threads=1")  # stored bf16, computed in fp32: the teacher is read from its files
-    fp32.load_ahead()
-    fp32.student()
-    assert fp32.teacher().dtype == torch.float32 and fp32.loaded_ahead() == ["teacher"]
+    fp32.models.load_ahead()
+    fp32.models.student()
+    assert fp32.models.teacher().dtype == torch.float32 and fp32.models.loaded_ahead() == ["teacher"]

@@ -12,6 +12,7 @@ from support import session
 from stages import envs, sft, train
 from stages.rows import tooluse
 from stages.errors import UserError
+from stages.run import runview
 from stages.run.store import read_state
 from stages.envs import protocol
 
@@ -35,7 +36,7 @@ def test_oracle_traces_verify_and_tampered_ones_do_not(name):
 
 def test_trace_tokens_follow_the_chat_template(work):
     sess = session(work, *TOOL)
-    tok, env = sess.tokenizer(), envs.get("calculator")
+    tok, env = sess.models.tokenizer(), envs.get("calculator")
     task = tooluse.load_tasks(sess, "train")[0]
     turns = env.oracle_trace(task)
     prompt = tooluse.initial_ids(tok, env, task)
@@ -54,9 +55,9 @@ def test_sft_lowers_nll_on_oracle_traces(work):
     from stages import update
 
     update.init(sess)
-    before = sft.nll(sess.use_adapter("init", sess.init_digest()), p, 64)
+    before = sft.nll(sess.models.use_adapter("init", sess.chain.init()), p, 64)
     d = sft.cold_start(sess)
-    after = sft.nll(sess.use_policy(0), p, 64)
+    after = sft.nll(sess.models.use_policy(0), p, 64)
     assert after < before - 0.5, (before, after)
     st = read_state(d)
     assert st["traces"] == 8 and len(st["losses"]) == 6 and st["losses"][-1] < st["losses"][0]
@@ -64,9 +65,9 @@ def test_sft_lowers_nll_on_oracle_traces(work):
 
 def test_cold_start_is_policy_0_and_is_reused(work):
     sess = session(work, *TOOL, "sft.steps=2", "train.updates=1")
-    assert sess.policy_digest(0) == sess.chain.cold_start() and sess.policy_dir(0).parent.name == "sft"
+    assert sess.chain.policy(0) == sess.chain.cold_start() and sess.policy_dir(0).parent.name == "sft"
     train.run(sess)
-    assert (sess.step_dir(0) / "adapter").resolve() == (sess.policy_dir(0) / "adapter").resolve()
+    assert (runview.step_dir(sess.run_dir, 0) / "adapter").resolve() == (sess.policy_dir(0) / "adapter").resolve()
     store = work / "artifacts" / "store"
     before = {p for p in store.glob("*/*")}
     again = session(work, *TOOL, "sft.steps=2", "train.updates=1")
@@ -74,10 +75,10 @@ def test_cold_start_is_policy_0_and_is_reused(work):
     assert {p for p in store.glob("*/*")} == before  # nothing recomputed
     # another seed: a different cold start, and the whole chain after it differs
     other = session(work, *TOOL, "sft.steps=2", "train.updates=1", "sft.seed=1")
-    assert other.policy_digest(0) != sess.policy_digest(0) and other.rollout_digest(1) != sess.rollout_digest(1)
+    assert other.chain.policy(0) != sess.chain.policy(0) and other.chain.rollout(1) != sess.chain.rollout(1)
     # continued SFT carries on from the cold start
     stage, dig = train.sft_continued(sess, 2)
-    assert stage == "sft" and dig != sess.policy_digest(0)
+    assert stage == "sft" and dig != sess.chain.policy(0)
     assert update_state(sess, dig)["start"] == 2
 
 
@@ -88,14 +89,14 @@ def update_state(sess, dig):
 def test_protocol_sft_teacher_is_base_plus_adapter(work, monkeypatch):
     raw = session(work, *TOOL)
     psft = session(work, *TOOL, "teacher_mode=protocol_sft", "sft.teacher_steps=2", "sft.lr=0.01")
-    assert "teacher_adapter" in psft.teacher_inputs() and "teacher_adapter" not in raw.teacher_inputs()
+    assert "teacher_adapter" in psft.chain.teacher_inputs() and "teacher_adapter" not in raw.chain.teacher_inputs()
     with pytest.raises(UserError, match="teacher adapter sft/.* is not in the store"):
-        psft.teacher()  # the driver publishes it first
+        psft.models.teacher()  # the driver publishes it first
     train.ensure_teacher(psft)
-    ids = torch.tensor([tooluse.initial_ids(raw.tokenizer(), envs.get("calculator"),
+    ids = torch.tensor([tooluse.initial_ids(raw.models.tokenizer(), envs.get("calculator"),
                                             tooluse.load_tasks(raw, "train")[0])])
     with torch.no_grad():
-        a, b = raw.teacher()(ids).logits, psft.teacher()(ids).logits
+        a, b = raw.models.teacher()(ids).logits, psft.models.teacher()(ids).logits
     # the SFT adapter changes the logits by more than rounding: where they differ most, by more than
     # the derived fp32 bounds of both (numerics.fp32_bound_through, that one logit)
     t, v = divmod(int((a - b)[0].abs().argmax()), a.shape[-1])
@@ -104,9 +105,9 @@ def test_protocol_sft_teacher_is_base_plus_adapter(work, monkeypatch):
     monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)  # trace one mask path
     bounds = [numerics.fp32_bound_through(lambda: m.model(input_ids=ids).last_hidden_state[0, t:t + 1],
                                           lambda h: torch.nn.functional.linear(h, m.lm_head.weight)[:, v])[1]
-              for m in (raw.teacher(), psft.teacher())]
+              for m in (raw.models.teacher(), psft.models.teacher())]
     assert float((a - b)[0, t, v].abs()) > float(bounds[0] + bounds[1]), ((a - b)[0, t, v], bounds)
-    assert not hasattr(psft.teacher(), "peft_config")  # merged: a plain model for scoring
+    assert not hasattr(psft.models.teacher(), "peft_config")  # merged: a plain model for scoring
 
 
 def test_policy0_and_tooleval_run_alone_from_the_cli(work):
@@ -130,7 +131,7 @@ def test_continued_sft_equals_uninterrupted_sft(work):
     whole = session(work, *TOOL, "sft.steps=4", "sft.lr=0.01")
     train.policy0(whole)
     d = whole.policy_dir(0)
-    first, rest = update_state(split, split.policy_digest(0))["losses"], update_state(split, dig)["losses"]
-    assert first + rest == update_state(whole, whole.policy_digest(0))["losses"]
+    first, rest = update_state(split, split.chain.policy(0))["losses"], update_state(split, dig)["losses"]
+    assert first + rest == update_state(whole, whole.chain.policy(0))["losses"]
     assert (split.store.path(stage, dig) / "adapter" / "adapter_model.safetensors").read_bytes() == \
         (d / "adapter" / "adapter_model.safetensors").read_bytes()

@@ -231,8 +231,8 @@ def test_background_publish_writes_the_same_bytes_on_the_publish_thread(work, mo
         train.run(sess)
         out = {}
         for k in (1, 2, 3):
-            for d in (sess.policy_dir(k), sess.store.path("rollout", sess.rollout_digest(k)),
-                      sess.store.path("score", sess.score_digest(k))):
+            for d in (sess.policy_dir(k), sess.store.path("rollout", sess.chain.rollout(k)),
+                      sess.store.path("score", sess.chain.score(k))):
                 assert store_mod.Store(sess.store.root.parent).verify(d)
                 out[k, d.parent.name] = {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*"))
                                          if p.is_file() and p.name not in ("state.json", "manifest.json")}
@@ -262,10 +262,38 @@ def test_on_cpu_an_update_drops_the_engine_and_the_next_one_holds_the_new_policy
 
     sess = session(work, "train.updates=1")
     train.run(sess)  # rollout(1) builds the engine at policy 0; update(1) trains policy 1 in place
-    assert sess._engine is None
-    student = sess.student()
-    qkv = sess.engine().W["layers"][0]["qkv"]
+    assert sess.models._engine is None
+    student = sess.models.student()
+    qkv = sess.models.engine().W["layers"][0]["qkv"]
     assert torch.equal(qkv, decoder.sampling_weights(student)["layers"][0]["qkv"])
     with student.disable_adapter():
         base = decoder.sampling_weights(student)["layers"][0]["qkv"]
     assert not torch.equal(qkv, base)  # policy 1's LoRA delta is merged in (B moved off zero)
+
+
+@pytest.mark.parametrize("fused", [False, True])  # True: CUDA's AdamW (fused runs on the CPU too)
+def test_guarded_step_takes_the_step_only_on_finite_values(fused):
+    """guarded_step: with finite sums and norm it is AdamW's own step (same bytes as calling step);
+    a non-finite loss or gradient norm stops with a one-line error and leaves the LoRA and the
+    optimizer's moments and step count as they were (the fused step is queued, the device skips it)."""
+    from stages.errors import UserError
+
+    def make():
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(4, 3))
+        w.grad = torch.randn(4, 3)
+        return w, torch.optim.AdamW([w], lr=0.1, foreach=not fused, fused=fused)
+
+    w, opt = make()
+    sums = update.Sums(torch.tensor([2.0, 4.0, 1.0]), ["kl"])
+    stats, gn = update.guarded_step(opt, sums, torch.tensor(0.5), 1)
+    ref, ropt = make()
+    ropt.step()
+    assert stats == {"loss": 2.0, "kl": 0.25} and gn == 0.5 and torch.equal(w, ref)
+    for bad_loss, bad_norm, what in ((float("nan"), 0.5, "loss is nan"), (2.0, float("inf"), "gradient norm is inf")):
+        before = (w.detach().clone(), opt.state[w]["exp_avg"].clone(), float(opt.state[w]["step"]))
+        w.grad = torch.randn(4, 3)
+        with pytest.raises(UserError, match=f"update step 2: {what}"):
+            update.guarded_step(opt, update.Sums(torch.tensor([bad_loss, 4.0]), []), torch.tensor(bad_norm), 2)
+        assert torch.equal(w, before[0]) and torch.equal(opt.state[w]["exp_avg"], before[1])
+        assert float(opt.state[w]["step"]) == before[2]

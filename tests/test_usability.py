@@ -85,11 +85,11 @@ def test_temperature_0_is_greedy(work):
 
     sess = session(work, "rollout.temperature=0")
     train.policy0(sess)
-    student = sess.use_policy(0, sample=True)
-    tok = sess.tokenizer()
+    student = sess.models.use_policy(0, sample=True)
+    tok = sess.models.tokenizer()
     prompts = [tok("What is 12 plus 30?").input_ids, tok("Name a colour.").input_ids]
-    a = sess.generate(prompts, 8, seed=1)
-    b = sess.generate(prompts, 8, seed=2)  # another seed: the same tokens
+    a = sess.models.generate(prompts, 8, seed=1)
+    b = sess.models.generate(prompts, 8, seed=2)  # another seed: the same tokens
     ref = sampler.hf_generate(student, prompts, 8, eos=tok.eos_token_id, pad=tok.eos_token_id, seed=3,
                               sampling=Sampling(greedy=True))
     for out in (a, b):
@@ -99,8 +99,8 @@ def test_temperature_0_is_greedy(work):
             assert torch.allclose(out.logprobs[i, :n], ref.logprobs[i, :n], atol=1e-4)  # untempered (T = 1)
     hot = session(work, "rollout.temperature=1.0")
     train.policy0(hot)
-    hot.use_policy(0, sample=True)
-    assert not torch.equal(hot.generate(prompts, 8, seed=1).tokens, a.tokens)
+    hot.models.use_policy(0, sample=True)
+    assert not torch.equal(hot.models.generate(prompts, 8, seed=1).tokens, a.tokens)
     with pytest.raises(Exception, match="rollout.temperature"):
         session(work, "rollout.temperature=-0.5")
 

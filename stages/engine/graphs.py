@@ -23,7 +23,7 @@ updates: the update's activation memory stays allocated while rollout and score 
 buffers hold one forward's activations: a training forward's backward runs before the next training
 forward of that model (as update and SFT do; a retry after an OOM replays the same graph, whose
 earlier autograd graph was dropped with the failed attempt). A run pads every forward to its longest
-prompt + response (Session.forward_length), so it replays one graph per (mode, batch size).
+prompt + response (Resident.forward_length), so it replays one graph per (mode, batch size).
 """
 from __future__ import annotations
 

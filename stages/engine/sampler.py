@@ -65,7 +65,7 @@ class Engine:
     def __init__(self, model, use_graphs: bool = True, compile: bool = False, before_capture=None):
         self.model = model
         # called before each capture: another thread's device work (a background publish's sync, the
-        # warm-up's kernels) would invalidate it (Session.before_capture joins both)
+        # warm-up's kernels) would invalidate it (Resident.before_capture joins both)
         self.before_capture = before_capture or (lambda: None)
         # the student's own weights (memory.merge_in_place: fused at load), merged for each generate
         self.in_place = decoder.is_fused(model)

@@ -16,7 +16,7 @@ autograd's thread are the process's, so the main thread finds them ready; what s
 
 Nothing it computes is kept or changes what the run computes: no random generator is used (the
 main thread seeds and draws from the global ones meanwhile), every input is a constant, and
-`wait` (before any phase and any CUDA graph capture, Session.before_capture) joins it and gives its
+`wait` (before any phase and any CUDA graph capture, Resident.before_capture) joins it and gives its
 memory back, so no capture sees another thread's device work and no phase's peak memory counts
 it. A failure is reported as one warning and the run goes on without it (runtime.warmup=false:
 not started; nor with memory.vram_gib set, whose budget its transient ~0.5 GiB is not planned in).

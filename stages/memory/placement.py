@@ -146,16 +146,16 @@ class SharedTeacher:
         return self.peft.get_base_model().config
 
 
-def shared_teacher(sess) -> SharedTeacher:
+def shared_teacher(resident) -> SharedTeacher:
     """Refuse unless student and teacher materialised to the very same model (same digest)."""
-    if sess.prepared["student"] != sess.prepared["teacher"]:
-        raise UserError(f"memory.placement=shared_backbone: student model/{sess.prepared['student'][:12]} and "
-                        f"teacher model/{sess.prepared['teacher'][:12]} differ; the teacher must be the student's "
+    if resident.prepared["student"] != resident.prepared["teacher"]:
+        raise UserError(f"memory.placement=shared_backbone: student model/{resident.prepared['student'][:12]} and "
+                        f"teacher model/{resident.prepared['teacher'][:12]} differ; the teacher must be the student's "
                         "base (same name, revision, init, keep_layers); use memory.placement=resident or swap")
-    return SharedTeacher(sess.student())
+    return SharedTeacher(resident.student())
 
 
-# ---- swap: the idle role waits in host memory (Session.activate decides when) ----
+# ---- swap: the idle role waits in host memory (Resident.activate decides when) ----
 
 def move(model, device: torch.device) -> None:
     """Move a role (parameters, buffers and gradients: Module.to carries .grad) to `device`."""

@@ -74,7 +74,7 @@ def teacher_ids(tok, env, task: Task) -> list[int]:
 def with_teacher_prompts(sess, ro: pa.Table) -> pa.Table:
     """rollout rows with prompt_ids swapped for the privileged teacher prompt; responses untouched,
     so the teacher scores exactly the student's tokens (packing aligns by response length)."""
-    tok, env = sess.tokenizer(), envs.get(sess.cfg.env.name)
+    tok, env = sess.models.tokenizer(), envs.get(sess.cfg.env.name)
     by_uid = {t.uid: t for t in load_tasks(sess, "train")}
     ids = [teacher_ids(tok, env, by_uid[u]) for u in ro.column("task_uid").to_pylist()]
     i = ro.column_names.index("prompt_ids")
@@ -180,7 +180,7 @@ def run_episodes(sess, env, tasks: list[Task], max_turns: int, max_tokens: int, 
                  greedy: bool = False) -> list[Traj]:
     """One episode per task, all advanced together: one batched generate per turn (sess: a Session
     whose student holds the policy to sample)."""
-    tok = sess.tokenizer()
+    tok = sess.models.tokenizer()
     g = glue(tok)
     trajs = [Traj(task, initial_ids(tok, env, task), protocol.Episode(messages=protocol.initial_messages(env, task)))
              for task in tasks]
@@ -188,7 +188,7 @@ def run_episodes(sess, env, tasks: list[Task], max_turns: int, max_tokens: int, 
         live = [t for t in trajs if not t.done]
         if not live:
             break
-        out = sess.generate([t.prompt + t.resp for t in live], max_tokens, seed + turn, greedy=greedy)
+        out = sess.models.generate([t.prompt + t.resp for t in live], max_tokens, seed + turn, greedy=greedy)
         for b, t in enumerate(live):
             n, stopped = int(out.lengths[b]), bool(out.finished[b])
             ids = out.tokens[b, :n].tolist()

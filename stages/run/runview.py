@@ -19,6 +19,7 @@ run with another config made the other way.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import fcntl
 import os
@@ -27,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import UserError
-from .store import canonical, read_json, write_json
+from .store import canonical, link, read_json, write_json
 
 VIEW = "view.json"
 # files in the view that describe one run as a whole: removed when another run takes the view over
@@ -110,10 +111,10 @@ def planned(sess, origin: str) -> dict:
     K = sess.cfg.train.updates
     return {"run": sess.cfg.run, "origin": origin, "config": config_digest(sess.cfg), "updates": K,
             "complete": False, "steps": [], "runtime": sess.runtime_slice(),
-            "digests": {"prepared": sess.prepared, "initial_policy": sess.policy_digest(0),
-                        "final_policy": sess.policy_digest(K), "policy0_stage": sess.chain.policy_stage(0),
-                        "steps": {str(k): {"rollout": sess.rollout_digest(k), "score": sess.score_digest(k),
-                                           "update": sess.update_digest(k)} for k in range(1, K + 1)}}}
+            "digests": {"prepared": sess.prepared, "initial_policy": sess.chain.policy(0),
+                        "final_policy": sess.chain.policy(K), "policy0_stage": sess.chain.policy_stage(0),
+                        "steps": {str(k): {"rollout": sess.chain.rollout(k), "score": sess.chain.score(k),
+                                           "update": sess.chain.update(k)} for k in range(1, K + 1)}}}
 
 
 def origin_of(sess) -> str:
@@ -198,10 +199,10 @@ def check_same_run(sess, what: str) -> None:
     """A stage that writes into the view of a trained run must be of that run's final policy."""
     rec = read(sess.run_dir)
     K = sess.cfg.train.updates
-    if rec and rec["digests"]["final_policy"] != sess.policy_digest(K):
+    if rec and rec["digests"]["final_policy"] != sess.chain.policy(K):
         raise UserError(f"{sess.run_dir}: holds another run ({rec['updates']} updates, final policy "
                         f"{rec['digests']['final_policy'][:12]}) than this config's ({K} updates, "
-                        f"{sess.policy_digest(K)[:12]}); train this config first or name it (run=NAME) "
+                        f"{sess.chain.policy(K)[:12]}); train this config first or name it (run=NAME) "
                         f"before {what}")
 
 
@@ -225,6 +226,28 @@ def steps(run_dir: Path) -> list[int]:
 
 def step_dir(run_dir: Path, k: int) -> Path:
     return Path(run_dir) / f"step-{k:04d}"
+
+
+def link_step(sess, k: int) -> None:
+    """Step k's published files linked into the view (joining their publishes if in flight), with a
+    state.json holding each stage's record: the policy's adapter and moments; from step 1 also the
+    rollout, the scores and (a cross-tokenizer run) the spans."""
+    d, pol = step_dir(sess.run_dir, k), sess.policy_dir(k)
+    sess.store.wait(pol)  # its publish may still be running in the background
+    link(pol / "adapter", d / "adapter")
+    link(pol / "optimizer.safetensors", d / "optimizer.safetensors")
+    state = {"policy": json.loads((pol / "state.json").read_text())}
+    if k > 0:
+        files = {"rollout": (sess.chain.rollout(k), "rollout.parquet"),
+                 "score": (sess.chain.score(k), "scores.parquet")}
+        if sess.cfg.objective.cross_tokenizer != "off":
+            files["align"] = (sess.chain.align(k), "spans.parquet")
+        for name, (dig, file) in files.items():
+            sd = sess.store.path(name, dig)
+            sess.store.wait(sd)
+            link(sd / file, d / file)
+            state[name] = json.loads((sd / "state.json").read_text())
+    write_json(d / "state.json", state)
 
 
 def run_name(spec: str | None) -> str | None:

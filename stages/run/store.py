@@ -174,7 +174,7 @@ class Store:
         deep=False hashes every file but the weights (WEIGHTS: sizes only): for multi-GB model dirs whose
         weights are hashed when they are actually loaded (Session), not on every digest lookup, while
         what is read before that (config.json, the tokenizer's files: prepare) is checked here."""
-        fut = self._ahead.get(d) if deep else None  # (other threads may join it too: Session.load_ahead)
+        fut = self._ahead.get(d) if deep else None  # (other threads may join it too: Resident.load_ahead)
         if fut is None:
             return self._check(d, deep)
         ok = fut.result()

@@ -156,10 +156,10 @@ def run_arm(b: dict, arm: dict, seed: int, cfg) -> dict:
     U, states, shared = b["updates"], [], {}
     if arm["method"] == "opd":
         train.run(sess)  # publishes policy 0 (the shared cold start) first
-        stage, policy = "update", sess.policy_digest(U)
+        stage, policy = "update", sess.chain.policy(U)
         for k in range(1, U + 1):
             states += [read_state(sess.store.path(n, d)) for n, d in (
-                ("rollout", sess.rollout_digest(k)), ("score", sess.score_digest(k)), ("update", sess.update_digest(k)))]
+                ("rollout", sess.chain.rollout(k)), ("score", sess.chain.score(k)), ("update", sess.chain.update(k)))]
         objective = cfg.objective.name
     elif arm["method"] == "sft":
         stage, policy = train.sft_continued(sess, U)
@@ -167,7 +167,7 @@ def run_arm(b: dict, arm: dict, seed: int, cfg) -> dict:
         objective = "sft-nll"
     else:  # the cold start itself (or the base model when sft.steps = 0)
         train.policy0(sess)
-        stage, policy, objective, U = sess.chain.policy_stage(0), sess.policy_digest(0), "none", 0
+        stage, policy, objective, U = sess.chain.policy_stage(0), sess.chain.policy(0), "none", 0
     if cfg.sft.steps:
         shared["cold_start_seconds"] = read_state(sess.store.path("sft", sess.chain.cold_start())).get("wall_s")
     if cfg.teacher_mode == "protocol_sft":

@@ -63,28 +63,28 @@ def measure(cfg, est: dict) -> dict:
 
     # steady state before the phases: both roles loaded as placed, the LoRA grads and the resident
     # AdamW moments a previous update leaves (zeros: no step is ever taken)
-    sess.activate("teacher")
-    sess.teacher()
-    sess.activate("student")
-    student = sess.student()
+    sess.models.activate("teacher")
+    sess.models.teacher()
+    sess.models.activate("student")
+    student = sess.models.student()
     named = [(n, q) for n, q in student.named_parameters() if q.requires_grad]
     opt = torch.optim.AdamW([q for _, q in named])
     for _, q in named:
         q.grad = torch.zeros_like(q)
         opt.state[q] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(q), "exp_avg_sq": torch.zeros_like(q)}
-    sess.optimizer = (None, opt, named)
-    if sess.placement != "swap":
-        sess.engine()  # resident: built once at step 1 (under swap each rollout rebuilds it, in-phase)
+    sess.models.optimizer = (None, opt, named)
+    if sess.models.placement != "swap":
+        sess.models.engine()  # resident: built once at step 1 (under swap each rollout rebuilds it, in-phase)
 
     phases["rollout"] = {}
     with phase(sess.device, phases["rollout"]):
-        ro = sess.generate(prompts, N, seed=0, min_new=N)
+        ro = sess.models.generate(prompts, N, seed=0, min_new=N)
     responses = [ro.tokens[b, :int(ro.lengths[b])].tolist() for b in range(B)]
     p = lmhead.pack(prompts, responses, [[1] * len(r) for r in responses], pad=0, device=sess.device)
     n = p.targets.numel()
 
-    sess.activate("teacher")
-    teacher = sess.teacher()
+    sess.models.activate("teacher")
+    teacher = sess.models.teacher()
     phases["score"] = {}
     with phase(sess.device, phases["score"]), torch.no_grad():
         h = lmhead.hidden(teacher, p)  # [n, H]
@@ -93,7 +93,7 @@ def measure(cfg, est: dict) -> dict:
                                logit_temperature(cfg.rollout))
         del h
 
-    sess.activate("student")
+    sess.models.activate("student")
     sc = {"teacher_logprobs": np.full(n, -3.0, np.float32),
           "topk_ids": torch.randint(0, V, (n, k), generator=g).numpy(),
           "topk_logprobs": np.full((n, k), -5.0, np.float32)}

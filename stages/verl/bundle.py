@@ -83,7 +83,7 @@ exec "${{PYTHON:-python}}" -m verl.trainer.main_ppo "${{OV[@]}}" "$@"
 def published(sess) -> int:
     """The last update k <= train.updates whose policy (and every one before it) is in the store."""
     k = 0  # digests chain through policy k-1: computed in order, each call memoises the next
-    while k < sess.cfg.train.updates and sess.store.get("update", sess.update_digest(k + 1)) is not None:
+    while k < sess.cfg.train.updates and sess.store.get("update", sess.chain.update(k + 1)) is not None:
         k += 1
     return k
 
@@ -130,7 +130,7 @@ def export(sess, out: Path, cluster: sizing.Cluster) -> Path:
     deviations = keys.deviations(cfg) + dev_cont
     for role, label in (("student", "base"), ("teacher", "teacher")):  # before any training or copying
         modeldir.check(sess.store.path("model", sess.prepared[role]), label)
-    pol = sess.store.get(sess.chain.policy_stage(done), sess.policy_digest(done))
+    pol = sess.store.get(sess.chain.policy_stage(done), sess.chain.policy(done))
     if pol is None:
         raise UserError(f"export --verl: policy {done} of run '{cfg.run}' is not in the store; run train first")
     out = Path(out).resolve()
@@ -169,7 +169,7 @@ def export(sess, out: Path, cluster: sizing.Cluster) -> Path:
             "transformers": "base/ and teacher/ load identically under transformers 4.56-4.57 and 5.x",
             "keys": {k.partition("=")[0]: keys.USES[k.partition("=")[0]].where for k in overrides},
             "sizing": size.plan, "continuation": cont, "run": cfg.run,
-            "from_policy": sess.policy_digest(done), "prepared": sess.prepared})
+            "from_policy": sess.chain.policy(done), "prepared": sess.prepared})
         listed = sorted(p for p in tmp.rglob("*") if p.is_file())
         (tmp / "SHA256SUMS").write_text("".join(f"{files.sha256(p)}  {p.relative_to(tmp)}\n" for p in listed))
         files.swap_into_place(tmp, out)

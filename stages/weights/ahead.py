@@ -3,9 +3,9 @@
 A fresh CUDA run's main thread used to read, one after the other: the student's weights and LoRA,
 the tokenizer, pandas (pyarrow imports it at the first array it builds from a Python list, to ask
 whether the list is a pandas object), and after the first rollout the teacher's weights (mostly
-waiting on transformers' loading threads), each a part of a second. `Session.load_ahead`
+waiting on transformers' loading threads), each a part of a second. `Resident.load_ahead`
 starts the worker; once the student's weights and LoRA are in (the order the memory plan assumes),
-`Session.student` gives it the teacher's weights (where the plan keeps both models resident, the
+`Resident.student` gives it the teacher's weights (where the plan keeps both models resident, the
 teacher is unquantized, as bitsandbytes' import is not made thread-safe, and no memory.vram_gib
 budget is set), then the tokenizer, then pandas, while the main thread publishes policy 0. The
 engine's capture joins the teacher's load (no capture sees another thread's device work). The
@@ -26,7 +26,7 @@ numbers (tests/test_session.py: the same teacher and policy 0 with the reads as 
 tests/gpu/test_gpu_warmup.py: the same published bytes), and a model dir is read only after its hash
 checks out (`verified`); one that fails, or any failure at all, leaves that read to the in-line
 path (`take` returns None), which recomputes the dir or reports the error as it always did.
-`Session.before_capture` joins the teacher's reads: no CUDA graph capture sees another thread's
+`Resident.before_capture` joins the teacher's reads: no CUDA graph capture sees another thread's
 device work.
 """
 from __future__ import annotations

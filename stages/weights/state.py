@@ -35,11 +35,11 @@ class ModelState:
     # ---- how its teacher-forced forwards run (Session._graph_forwards sets them for the role it hands out;
     # engine/lmhead.py and engine/graphs.py read them); for the model's lifetime
     use_graphs: bool = False  # replay captured CUDA graphs (memory/phases.py graphed_roles names the roles)
-    forward_length: int = 0  # CUDA: the padded length of every such forward (Session.forward_length; 0: its own bucket)
-    # called before each capture: another thread's device work would invalidate it (Session.before_capture)
+    forward_length: int = 0  # CUDA: the padded length of every such forward (Resident.forward_length; 0: its own bucket)
+    # called before each capture: another thread's device work would invalidate it (Resident.before_capture)
     before_capture: Callable[[], None] | None = None
     # decoder layers compiled (models.compile_layers) for "training" (eval-mode forwards then run eager)
-    # or "inference"; None: eager. A view of another model's layers takes that model's (Session.teacher)
+    # or "inference"; None: eager. A view of another model's layers takes that model's (Resident.teacher)
     compiled: str | None = None
 
     # ---- engine/graphs.py

@@ -58,7 +58,7 @@ def test_run_produces_a_complete_run_view(work):
     side = json.loads((run / "answers.json").read_text())["side_by_side"]
     samples = pq.read_table(next((work / "artifacts" / "store" / "evaluate").glob("*/samples.parquet"))).to_pylist()
     assert len(side) == 4 and "side_by_side" not in metrics
-    specials = session(work).tokenizer().all_special_tokens
+    specials = session(work).models.tokenizer().all_special_tokens
     for who in ("teacher", "initial", "final"):
         stored = [r["response"] for r in samples if r["policy"] == who][:4]
         # the side-by-side text is the stored response without its special tokens (EOS, ...)
@@ -118,7 +118,7 @@ def test_inspect_prints_tokens_and_gaps(work):
     r = opd("inspect", "artifacts/runs/default", "--step", "1", "--format", "json", cwd=work)
     rows = json.loads(r.stdout)
     assert len(rows) == 4 and all(len(x["tokens"]) == len(x["teacher_logprobs"]) for x in rows)
-    tok = session(work).tokenizer()  # the pieces are the student tokenizer's, one per sampled token
+    tok = session(work).models.tokenizer()  # the pieces are the student tokenizer's, one per sampled token
     assert [x["tokens"] for x in rows] == [[tok.decode([i]) for i in x["response_ids"]] for x in rows]
     worst = json.loads(opd("inspect", "artifacts/runs/default", "--step", "1", "--worst", "1", "--format", "json",
                            cwd=work).stdout)

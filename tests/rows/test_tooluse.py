@@ -12,7 +12,7 @@ import numerics
 from support import ROOT, TINY, opd, session
 from engine_models import engine_hidden, tempered_logprob
 from stages import envs, tooleval, train
-from stages.run import config
+from stages.run import config, runview
 from stages.engine import lmhead
 from stages.rows import tables, tooluse
 from stages.errors import UserError
@@ -70,9 +70,9 @@ def test_single_turn_digests_ignore_tool_settings(work):
     a = session(work)
     b = session(work, "env.num_train=3", "env.max_turns=7", "sft.teacher_steps=5", "sft.seed=9", "sft.lr=0.5")
     for k in (1, 2):
-        assert a.rollout_digest(k) == b.rollout_digest(k)
-        assert a.score_digest(k) == b.score_digest(k) and a.update_digest(k) == b.update_digest(k)
-    assert a.policy_digest(0) == b.policy_digest(0) and a.policy_dir(0).parent.name == "init"
+        assert a.chain.rollout(k) == b.chain.rollout(k)
+        assert a.chain.score(k) == b.chain.score(k) and a.chain.update(k) == b.chain.update(k)
+    assert a.chain.policy(0) == b.chain.policy(0) and a.policy_dir(0).parent.name == "init"
     assert "tasks_train" not in a.prepared
 
 
@@ -105,9 +105,9 @@ def test_environment_runs_in_the_pipeline(work, name):
     split = "hard" if name == "calculator" else "default"
     sess = session(work, f"env.name={name}", f"env.split={split}", *ENV)
     train.run(sess)
-    tok = sess.tokenizer()
-    ro = pq.read_table(sess.step_dir(1) / "rollout.parquet")
-    sc = pq.read_table(sess.step_dir(1) / "scores.parquet")
+    tok = sess.models.tokenizer()
+    ro = pq.read_table(runview.step_dir(sess.run_dir, 1) / "rollout.parquet")
+    sc = pq.read_table(runview.step_dir(sess.run_dir, 1) / "scores.parquet")
     assert set(tables.ROLLOUT_WITH_TASK.names) <= set(ro.column_names)
     tasks = {t.uid: t for t in tooluse.load_tasks(sess, "train")}
     for r, tl in zip(ro.to_pylist(), sc.column("teacher_logprobs").to_pylist()):
@@ -127,7 +127,7 @@ def test_environment_runs_in_the_pipeline(work, name):
     rows = pq.read_table(sess.store.path("tasks", sess.prepared["tasks_train"]) / "tasks.parquet").to_pylist()
     assert rows[0]["reward_model"]["ground_truth"] == tasks[rows[0]["extra_info"]["uid"]].ground_truth
     # greedy held-out evaluation through the store
-    d = tooleval.run(sess, "update", sess.policy_digest(1))
+    d = tooleval.run(sess, "update", sess.chain.policy(1))
     assert tooleval.summarize(pq.read_table(d / "trajectories.parquet").to_pylist())["tasks"] == 2
 
 
@@ -136,8 +136,8 @@ def test_rollout_logprobs_are_the_students_on_the_whole_trajectory(work, monkeyp
     # tool results included: a teacher-forced forward reproduces every sampled log-prob
     sess = session(work, "env.name=calculator", "env.split=easy", *ENV)
     train.run(sess)
-    ro = pq.read_table(sess.step_dir(1) / "rollout.parquet")
-    student = sess.use_policy(0)
+    ro = pq.read_table(runview.step_dir(sess.run_dir, 1) / "rollout.parquet")
+    student = sess.models.use_policy(0)
     prompts, resps = ro.column("prompt_ids").to_pylist(), ro.column("response_ids").to_pylist()
     p = lmhead.pack(prompts, resps, ro.column("response_mask").to_pylist(), pad=0, device="cpu")
     with torch.no_grad():
@@ -164,21 +164,21 @@ def test_rollout_logprobs_are_the_students_on_the_whole_trajectory(work, monkeyp
 def test_privileged_teacher_prompt_differs_but_scores_the_same_tokens(work, monkeypatch):
     raw = session(work, "env.name=calculator", "env.split=hard", *ENV)
     priv = session(work, "env.name=calculator", "env.split=hard", "teacher_mode=privileged_context", *ENV)
-    assert raw.rollout_digest(1) == priv.rollout_digest(1)  # the student's side is identical
-    assert raw.score_digest(1) != priv.score_digest(1)
+    assert raw.chain.rollout(1) == priv.chain.rollout(1)  # the student's side is identical
+    assert raw.chain.score(1) != priv.chain.score(1)
     train.run(raw)
     train.run(priv)  # same run name: the run view now shows priv's step; read raw's from the store
-    ro = pq.read_table(priv.step_dir(1) / "rollout.parquet")
-    sc_p = pq.read_table(priv.store.path("score", priv.score_digest(1)) / "scores.parquet")
-    sc_r = pq.read_table(raw.store.path("score", raw.score_digest(1)) / "scores.parquet")
-    tok, env = priv.tokenizer(), envs.get("calculator")
+    ro = pq.read_table(runview.step_dir(priv.run_dir, 1) / "rollout.parquet")
+    sc_p = pq.read_table(priv.store.path("score", priv.chain.score(1)) / "scores.parquet")
+    sc_r = pq.read_table(raw.store.path("score", raw.chain.score(1)) / "scores.parquet")
+    tok, env = priv.models.tokenizer(), envs.get("calculator")
     tasks = {t.uid: t for t in tooluse.load_tasks(priv, "train")}
     tprompts = [tooluse.teacher_ids(tok, env, tasks[u]) for u in ro.column("task_uid").to_pylist()]
     for sp, tp, uid in zip(ro.column("prompt_ids").to_pylist(), tprompts, ro.column("task_uid").to_pylist()):
         assert tp != sp and tasks[uid].oracle_hint in tok.decode(tp) and tasks[uid].oracle_hint not in tok.decode(sp)
     resp, mask = ro.column("response_ids").to_pylist(), ro.column("response_mask").to_pylist()
     p = lmhead.pack(tprompts, resp, mask, pad=0, device="cpu")
-    teacher = priv.teacher()
+    teacher = priv.models.teacher()
     with torch.no_grad():
         want, *_ = lmhead.score_positions(lmhead.hidden(teacher, p), lmhead.head_weight(teacher), p.targets, 64, 1)
     got = np.concatenate(sc_p.column("teacher_logprobs").to_pylist())

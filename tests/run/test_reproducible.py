@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from support import OPD, ROOT, TINY, session
-from stages.run import reproducible
+from stages.run import identity, reproducible
 from stages.tools import doctor
 
 needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch's BLAS is not MKL here")
@@ -70,7 +70,7 @@ def test_thread_count_is_in_cpu_identity_only_without_strict_mode(work):
     one, two = session(work, "runtime.threads=1"), session(work, "runtime.threads=2")
     if reproducible.thread_independent(reproducible.mode()):
         assert one.runtime_slice() == two.runtime_slice() and "threads" not in one.runtime_slice()
-        assert one.rollout_digest(1) == two.rollout_digest(1) and one.update_digest(2) == two.update_digest(2)
+        assert one.chain.rollout(1) == two.chain.rollout(1) and one.chain.update(2) == two.chain.update(2)
     else:  # no MKL, or a user's non-strict mode: results may depend on it
         assert one.runtime_slice()["threads"] == 1 and two.runtime_slice()["threads"] == 2
 
@@ -116,12 +116,13 @@ def test_compiled_decode_joins_cuda_identity_only(work, monkeypatch):
     """runtime.compile changes CUDA bytes (fused kernels round differently), never CPU ones: on CPU
     both settings share every digest; a CUDA session with graphs names the compiled step."""
     on, off = session(work, "runtime.compile=true"), session(work, "runtime.compile=false")
-    assert not on.compiled_decode and on.runtime_slice() == off.runtime_slice()
-    assert on.rollout_digest(1) == off.rollout_digest(1) and on.update_digest(2) == off.update_digest(2)
+    assert not identity.compiled_decode(on.cfg, on.device.type) and on.runtime_slice() == off.runtime_slice()
+    assert on.chain.rollout(1) == off.chain.rollout(1) and on.chain.update(2) == off.chain.update(2)
     monkeypatch.setattr(on, "device", torch.device("cuda"))
-    assert on.compiled_decode and on.runtime_slice()["decode"] == "project+rope_attention-blocks"
+    compiled = lambda: identity.compiled_decode(on.cfg, on.device.type)  # noqa: E731  (what Resident asks)
+    assert compiled() and on.runtime_slice()["decode"] == "project+rope_attention-blocks"
     monkeypatch.setattr(on.cfg.rollout, "cuda_graphs", False)
-    assert not on.compiled_decode and "decode" not in on.runtime_slice()  # eager CUDA: no compiled step
+    assert not compiled() and "decode" not in on.runtime_slice()  # eager CUDA: no compiled step
 
 
 def test_compiled_layers_join_cuda_identity_only(work, monkeypatch):
@@ -129,10 +130,11 @@ def test_compiled_layers_join_cuda_identity_only(work, monkeypatch):
     the compiled layers, and only for an unquantized model."""
     on, off = session(work, "runtime.compile_layers=true"), session(work)
     assert not off.cfg.runtime.compile_layers
-    assert on.runtime_slice() == off.runtime_slice() and on.update_digest(2) == off.update_digest(2)
+    assert on.runtime_slice() == off.runtime_slice() and on.chain.update(2) == off.chain.update(2)
     for s in (on, off):
         monkeypatch.setattr(s, "device", torch.device("cuda"))
     assert on.runtime_slice()["layers"] == "compiled" and "layers" not in off.runtime_slice()
-    assert on.compiled_layers(on.cfg.teacher) and not off.compiled_layers(off.cfg.teacher)
+    layers = lambda s, m: identity.compiled_layers(s.cfg, m, s.device.type)  # noqa: E731  (what Resident asks)
+    assert layers(on, on.cfg.teacher) and not layers(off, off.cfg.teacher)
     monkeypatch.setattr(on.cfg.student, "quant", "nf4")
-    assert not on.compiled_layers(on.cfg.student) and on.compiled_layers(on.cfg.teacher)
+    assert not layers(on, on.cfg.student) and layers(on, on.cfg.teacher)

@@ -223,7 +223,7 @@ def test_the_shallow_check_hashes_all_but_the_weights(tmp_path, capsys):
 
 
 def test_two_threads_join_one_early_check(tmp_path, monkeypatch):
-    """Session.load_ahead's worker and the main thread may both verify a dir verify_soon is still
+    """Resident.load_ahead's worker and the main thread may both verify a dir verify_soon is still
     hashing: both wait for its answer, and nothing is hashed twice (the first caller once took the
     check away, and the second hashed the whole dir again)."""
     import threading

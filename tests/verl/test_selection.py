@@ -107,7 +107,7 @@ def test_score_records_selection_and_update_trains_on_it(work):
     # replay: the same digest selects the same positions
     from stages.run.store import seed_of
 
-    ro = sess.table("rollout", sess.rollout_digest(1), "rollout.parquet", batch.ROLLOUT_NEEDS)
+    ro = sess.table("rollout", sess.chain.rollout(1), "rollout.parquet", batch.ROLLOUT_NEEDS)
     again = score.select_positions(sess, ro, seed_of(st["digest"]))
     assert again.astype(int).tolist() == [x for s in sel for x in s]
 
@@ -119,7 +119,7 @@ def test_update_with_keep_equals_update_with_the_mask_zeroed(work):
     from stages.engine import lmhead
 
     sess = session(work)
-    student = sess.student()
+    student = sess.models.student()
     p = lmhead.pack([[1, 5, 7], [1, 9]], [[11, 12, 13, 14], [15, 16, 17]], [[1, 1, 1, 1], [1, 1, 1]], pad=0,
                     device=sess.device)
     n = p.rows.numel()

@@ -36,10 +36,10 @@ def test_quantized_lora_update_changes_the_adapter_with_finite_loss(work, over):
     # step 1 starts from B = 0, so A's gradient (through B) is zero: every B moves, A waits a step
     assert changed == {n for n in init if "lora_B" in n} and len(changed) == 14
     # NF4 samples with the engine from a dense copy; int8 (LLM.int8 quantizes activations) through transformers
-    assert (sess.engine() is not None) == ("student.quant=nf4" in over)
-    q = sess.student().get_base_model().model.layers[0].self_attn.q_proj.base_layer
+    assert (sess.models.engine() is not None) == ("student.quant=nf4" in over)
+    q = sess.models.student().get_base_model().model.layers[0].self_attn.q_proj.base_layer
     assert type(q).__name__ == ("Linear4bit" if "student.quant=nf4" in over else "Linear8bitLt")
-    sc = json.loads((sess.store.path("score", sess.score_digest(1)) / "state.json").read_text())
+    sc = json.loads((sess.store.path("score", sess.chain.score(1)) / "state.json").read_text())
     assert sc["selected_positions"] > 0
 
 
@@ -70,7 +70,7 @@ def test_nf4_lora_gradients_equal_the_dequantized_models(work, seed):
     import bitsandbytes.functional as bf
 
     sess = session(work)
-    d = sess.model_dir("student")
+    d = sess.models.model_dir("student")
     qbase, got = _grads(d, "nf4", warm=True, seed=seed)
     ref = models.load(d, ModelCfg(), torch.device("cpu"), torch.float32)
     with torch.no_grad():  # the same weights, dequantized into a plain fp32 model
@@ -98,7 +98,7 @@ def test_nf4_student_samples_with_the_engine_as_transformers_would(work):
     from stages.engine import sampler
 
     sess = session(work)
-    base = models.load(sess.model_dir("student"), ModelCfg(quant="nf4"), torch.device("cpu"), torch.float32)
+    base = models.load(sess.models.model_dir("student"), ModelCfg(quant="nf4"), torch.device("cpu"), torch.float32)
     s = lora.add(base, LoraCfg(r=4, alpha=8), 1)
     with torch.no_grad():  # a non-trivial adapter: merging it must matter
         g = torch.Generator().manual_seed(0)
@@ -126,7 +126,7 @@ def test_int8_student_keeps_the_transformers_fallback(work, capsys):
     from stages.engine import sampler
 
     sess = session(work)
-    base = models.load(sess.model_dir("student"), ModelCfg(quant="int8"), torch.device("cpu"), torch.float32)
+    base = models.load(sess.models.model_dir("student"), ModelCfg(quant="int8"), torch.device("cpu"), torch.float32)
     assert sampler.make(lora.add(base, LoraCfg(r=4, alpha=8), 1), use_graphs=False) is None
     assert "int8 base" in capsys.readouterr().err
 
@@ -137,18 +137,18 @@ def test_quant_joins_the_digests_it_changes(work):
     t_nf4 = session(work, "teacher.quant=nf4")
     t_dq = session(work, "teacher.quant=nf4", "teacher.double_quant=true")
     # a quantized student samples and trains differently
-    assert s_nf4.rollout_digest(1) != plain.rollout_digest(1) and s_nf4.update_digest(1) != plain.update_digest(1)
+    assert s_nf4.chain.rollout(1) != plain.chain.rollout(1) and s_nf4.chain.update(1) != plain.chain.update(1)
     # a quantized teacher scores differently, but the first rollout is reused (cross-run reuse)
-    assert t_nf4.rollout_digest(1) == plain.rollout_digest(1)
-    assert t_nf4.score_digest(1) != plain.score_digest(1) != t_dq.score_digest(1) != t_nf4.score_digest(1)
+    assert t_nf4.chain.rollout(1) == plain.chain.rollout(1)
+    assert t_nf4.chain.score(1) != plain.chain.score(1) != t_dq.chain.score(1) != t_nf4.chain.score(1)
     # placement and memory settings change nothing that is computed
     other = session(work, "memory.placement=resident", "memory.chunk_floor=4", "memory.vram_gib=64")
-    assert other.update_digest(2) == plain.update_digest(2)
+    assert other.chain.update(2) == plain.chain.update(2)
 
 
 def test_missing_bitsandbytes_is_a_one_line_error(work, monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` now fails
     sess = session(work, "student.quant=nf4", "memory.placement=resident")
     with pytest.raises(UserError) as e:
-        models.load(sess.model_dir("student"), sess.cfg.student, sess.device, sess.dtype)
+        models.load(sess.models.model_dir("student"), sess.cfg.student, sess.device, sess.dtype)
     assert "bitsandbytes" in str(e.value) and "\n" not in str(e.value)

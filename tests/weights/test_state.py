@@ -40,7 +40,7 @@ def test_a_tiny_run_sets_no_loose_attribute_on_any_model(work, monkeypatch, over
     def checked(stage):  # after each stage of the loop: whatever it set is still there to see
         def run(s, *a, **kw):
             out = stage(s, *a, **kw)
-            held = [m for m in (s._student, s._teacher) if m is not None]
+            held = [m for m in (s.models._student, s.models._teacher) if m is not None]
             seen.append(len(held))
             assert _loose(*held) == [], stage.__module__
             return out
@@ -51,14 +51,14 @@ def test_a_tiny_run_sets_no_loose_attribute_on_any_model(work, monkeypatch, over
     train.run(sess)
     evaluate.run(sess)  # (greedy answers of both models: the teacher's rollout engine too)
     assert len(seen) == 2 * 3 + 1 and seen[-1] == 2
-    student, teacher = sess.student(), sess.teacher()
+    student, teacher = sess.models.student(), sess.models.teacher()
     assert _loose(student, teacher) == []
     # the state sits on the transformers models alone (the shared teacher: on its view of the student's)
     holders = {id(o) for m in (student, teacher) for o in _objects(m) if ATTR in vars(o)}
     assert holders == {id(models.base_of(student)), id(models.base_of(teacher))}
     st = state(student)
-    assert isinstance(st, ModelState) and st.before_capture == sess.before_capture and not st.use_graphs
-    assert st.forward_length == sess.forward_length() and st.merged is False
+    assert isinstance(st, ModelState) and st.before_capture == sess.models.before_capture and not st.use_graphs
+    assert st.forward_length == sess.models.forward_length() and st.merged is False
     assert (st.flat is not None) == ("memory.merge_in_place=true" in over)
 
 

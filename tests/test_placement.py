@@ -178,7 +178,7 @@ def _step(sess, k=1):
 
 
 def _recording(fn, calls: list):
-    """Wrap update.loss_and_backward: per call, whether every trainable parameter started without a
+    """Wrap update.backward_sums: per call, whether every trainable parameter started without a
     gradient, and the backbone's hidden states h and dloss/dh (the only things the chunk changes)."""
     def wrapped(sess, student, p, *a, **kw):
         real_hidden, seen = lmhead.hidden, {}
@@ -206,9 +206,9 @@ def test_oom_halves_the_chunk_records_retries_and_publishes_the_same(work, monke
     for stage in ("score", "update"):
         shutil.rmtree(work / "artifacts" / "store" / stage)
     calls_s, calls_u, seen = [], [], []
-    real_score, real_update = lmhead.score_positions, update.loss_and_backward
+    real_score, real_update = lmhead.score_positions, update.backward_sums
     monkeypatch.setattr(lmhead, "score_positions", fake_oom(lmhead.score_positions, 8, calls_s))
-    monkeypatch.setattr(update, "loss_and_backward", fake_oom(_recording(update.loss_and_backward, seen), 4, calls_u))
+    monkeypatch.setattr(update, "backward_sums", fake_oom(_recording(update.backward_sums, seen), 4, calls_u))
     sess = session(work, "train.chunk=32", "memory.chunk_floor=2")
     sd, ud = _step(sess)
     assert sd.name == sd_ref.name and ud.name == ud_ref.name  # the digest keeps the configured chunk
@@ -243,7 +243,7 @@ def test_oom_halves_the_chunk_records_retries_and_publishes_the_same(work, monke
     clean, direct = session(work, "train.chunk=32", "memory.chunk_floor=2"), []
     clean.chunk_sizes = {"score": 8, "update": 4}
     monkeypatch.setattr(lmhead, "score_positions", real_score)
-    monkeypatch.setattr(update, "loss_and_backward", _recording(real_update, direct))
+    monkeypatch.setattr(update, "backward_sums", _recording(real_update, direct))
     sd_clean, ud_clean = _step(clean)
     assert ud_clean.name == ud.name and (sd_clean / "scores.parquet").read_bytes() == (sd / "scores.parquet").read_bytes()
     assert len(direct) == 1 and torch.equal(direct[0]["h"], seen[-1]["h"]) and torch.equal(direct[0]["g"], seen[-1]["g"])

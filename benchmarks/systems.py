@@ -441,6 +441,13 @@ OURS_ARMS = {
 }
 
 
+def peer_ratios(systems: list[dict]) -> dict:
+    """Each peer's median s/update over ours (the first system, "opd-stages"); our other arms are no peers."""
+    ours = systems[0].get("median_update_s") if systems and systems[0]["name"] == "opd-stages" else None
+    return {x["name"]: round(x["median_update_s"] / ours, 2) for x in systems[1:]
+            if ours and x.get("median_update_s") and not x["name"].startswith("opd-stages")}
+
+
 def run_system(fn, name: str, deadline: float, need_s: float, *a, **kw):
     """One system; its failure (or no time left before the deadline) is recorded, not fatal."""
     left = deadline - time.perf_counter()
@@ -494,6 +501,9 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline-s", type=float, default=float("inf"),
                     help="skip (and record as skipped) systems that would start too close to this many seconds")
     args = ap.parse_args(argv)
+    ours_b = [a for a in args.ours_b.split(",") if a]
+    if unknown := [a for a in ours_b if a not in B_ARMS]:  # (before any GPU time is spent)
+        ap.error(f"--ours-b: unknown {unknown}; expected some of {','.join(B_ARMS)}")
     global DEVICE
     if args.smoke:
         DEVICE = "cpu"
@@ -531,9 +541,7 @@ def main(argv=None) -> int:
 
         def add(s) -> None:
             systems.extend(s if isinstance(s, list) else [s])
-            ours = systems[0].get("median_update_s") if systems[0]["name"] == "opd-stages" else None
-            wa["ratios"] = {x["name"]: round(x["median_update_s"] / ours, 2) for x in systems[1:]
-                            if ours and x.get("median_update_s") and not x["name"].startswith("opd-stages")}
+            wa["ratios"] = peer_ratios(systems)
             if systems[0]["name"] == "opd-stages":
                 wa["roofline"] = roofline.table(w, systems[0], result["peaks"])
             save()
@@ -574,7 +582,7 @@ def main(argv=None) -> int:
         systems_b.append(run_system(seeded_then_ours, "opd-stages", deadline, 130))
         result["workloads"]["b"]["roofline"] = roofline.table(WORKLOAD_B, systems_b[0], result["peaks"])
         save()
-        for arm in (a for a in args.ours_b.split(",") if a and seed_b):  # variants on the same seed
+        for arm in ours_b if seed_b else ():  # variants on the same seed
             over = dict(o.split("=", 1) for o in (*B_DEFAULT, *B_ARMS[arm]))  # the arm's values win
             systems_b.append(run_system(ours_pipeline, f"opd-stages-{arm}", deadline, 100, WORKLOAD_B, wb, tok, py,
                                         None, tuple(f"{k}={v}" for k, v in over.items()), f"opd-stages-{arm}"))
@@ -585,10 +593,7 @@ def main(argv=None) -> int:
             wt = {**WORKLOAD_B, "updates": max(2, args.peer_updates or WORKLOAD_B["updates"])}
             systems_b.append(run_system(trl_peer, "TRL 1.16 DistillationTrainer", deadline, 150, wt, wb, py, seed_b,
                                         micro_batch=16, gradient_checkpointing=True))
-            ours_b = systems_b[0].get("median_update_s")
-            result["workloads"]["b"]["ratios"] = {x["name"]: round(x["median_update_s"] / ours_b, 2)
-                                                  for x in systems_b[1:] if ours_b and x.get("median_update_s")
-                                                  and not x["name"].startswith("opd-stages")}
+            result["workloads"]["b"]["ratios"] = peer_ratios(systems_b)
             save()
         print(json.dumps(result["workloads"]["b"], indent=1), flush=True)
     save()

@@ -60,7 +60,7 @@ class Session:
     def prepared(self, record: dict) -> None:
         self._prepared = record
         self._chain = None
-        self.models.prepared, self.models.chain = record, self.chain
+        self.models.chain = self.chain
 
     @property
     def chain(self) -> identity.Chain:

@@ -74,11 +74,6 @@ class Sums:
         return {"loss": vals[0], **{k: v / vals[1] for k, v in zip(self.names, vals[2:])}}
 
 
-def loss_and_backward(*args, **kwargs) -> dict:
-    """`backward_sums`, read: the scalar diagnostics."""
-    return backward_sums(*args, **kwargs).read()
-
-
 def backward_sums(sess: Session, student, p: lmhead.Packed, sample_lp: torch.Tensor, sc: dict,
                   advantages: torch.Tensor | None = None, keep: np.ndarray | None = None,
                   chunk: int | None = None, spans: Spans | None = None) -> Sums:

@@ -67,3 +67,16 @@ def test_arms_missing_from_the_table_run_come_from_their_newest_run(tmp_path, mo
     assert rows[1].startswith("| nf4 | `old.json` | 0.4 |")
     assert rows[0].endswith("| 0.2 s/update, peak 5.00 GiB |")  # that run's default, not the table run's
     assert readme_table._earlier_arms([old, new], {"ckpt", "nf4"}) == []
+
+
+def test_both_tables_give_trl_on_workload_b_where_the_run_has_it(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import readme_table
+
+    path = ROOT / "benchmarks" / "results" / "2026-12-06-h100-09cb011-systems.json"
+    assert readme_table._trl_b(path) == "28.6449 s/update (7.59x ours), peak 15.39 GiB"
+    assert readme_table._trl_b(path, True).endswith("; 16 prompts per forward x 4 accumulated, gradient checkpointing")
+    row = next(ln for ln in readme_table.compact(path).splitlines() if ln.startswith("| workload b"))
+    assert "| 28.6449 s/update (7.59x ours), peak 15.39 GiB |" in row
+    older = ROOT / "benchmarks" / "results" / "2026-12-04-h200-89e6bc8-systems.json"  # (ours alone on b there)
+    assert readme_table._trl_b(older) == "-"

@@ -68,3 +68,26 @@ def test_the_roofline_is_the_bytes_and_flops_of_each_phase_over_the_peaks():
     assert rows["update"]["x_floor"] == round(0.0574 / f["update"], 1)
     assert "| rollout |" in "\n".join(roofline.markdown(rows, peaks))
     assert roofline.table(w, {"name": "opd-stages", "error": "skipped"}, peaks) is None
+
+
+def test_workload_b_records_trl_beside_ours_with_its_ratio_and_batching():
+    """TRL on workload b (systems.py, 09cb011's H100 run): the ratio is TRL's median over ours, our own
+    arms are no peers, and the report says how TRL was batched."""
+    r = json.loads((ROOT / "benchmarks" / "results" / "2026-12-06-h100-09cb011-systems.json").read_text())
+    b = r["workloads"]["b"]["systems"]
+    assert b[1]["name"].startswith("TRL") and b[1]["gradient_accumulation_steps"] == 4 and b[1]["micro_batch"] == 16
+    assert systems.peer_ratios(b) == {b[1]["name"]: round(b[1]["median_update_s"] / b[0]["median_update_s"], 2)} \
+        == r["workloads"]["b"]["ratios"] == {b[1]["name"]: 7.59}
+    assert systems.peer_ratios([b[0], {**b[0], "name": "opd-stages-layers"}, b[1]]) == {b[1]["name"]: 7.59}
+    assert systems.peer_ratios([b[1]]) == {}  # without ours first there is nothing to divide by
+    assert "TRL 1.16 DistillationTrainer: 16 prompts per forward, 4 accumulated per update, gradient checkpointing on" \
+        in systems.markdown(r)
+
+
+def test_an_unknown_workload_b_arm_is_refused_before_anything_runs(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        systems.main(["--ours-b", "layers,fast", "--tokenizer", str(tmp_path), "--work", str(tmp_path / "w")])
+    assert e.value.code == 2 and "--ours-b: unknown ['fast']" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()

@@ -45,7 +45,7 @@ def grads(student):
 
 def run(chunk, **kw):
     sess, student, p, old, sc = fixture(chunk, **kw)
-    stats = update.loss_and_backward(sess, student, p, old, sc)
+    stats = update.backward_sums(sess, student, p, old, sc).read()
     return stats, grads(student)
 
 
@@ -98,7 +98,7 @@ def test_chunked_equals_unchunked_values_and_gradients(seed, monkeypatch):
 
     monkeypatch.setattr(lmhead, "hidden", hidden)
     sess, student, p, old, sc = fixture(10_000, seed=seed)
-    update.loss_and_backward(sess, student, p, old, sc)
+    update.backward_sums(sess, student, p, old, sc)
     h0 = seen["h"]
     # per position i: loss_i and d loss_i / dh_i (exact, float64) and their fp32 error bounds b_i, G_i.
     # The update weights position i by w_i (agg_weights, fp32, the same bits in every run): the
@@ -119,7 +119,7 @@ def test_chunked_equals_unchunked_values_and_gradients(seed, monkeypatch):
         assert ref_loss > 0.01  # a real divergence between two different random models
         for chunk in (10_000, 1, 3, 7):
             student.zero_grad(set_to_none=True)
-            got = update.loss_and_backward(sess, student, p, old, sc, chunk=chunk)
+            got = update.backward_sums(sess, student, p, old, sc, chunk=chunk).read()
             g = grads(student)
             assert len(g) > 0 and torch.equal(seen["h"], h0), (mode, chunk)
             numerics.check(got["loss"], ref_loss, bound_loss, f"{mode} chunk {chunk}: loss")
@@ -136,7 +136,7 @@ def test_loss_is_token_mean_over_response_tokens(seed):
     # masking out a whole sequence changes the normaliser: equals the loss of the remaining tokens
     masks = [[1] * len(RESP[0]), [0] * len(RESP[1]), [1] * len(RESP[2])]
     sess, student, p, old, sc = fixture(4, masks=masks, seed=seed)
-    a = update.loss_and_backward(sess, student, p, old, sc)
+    a = update.backward_sums(sess, student, p, old, sc).read()
     with torch.no_grad():
         h = lmhead.hidden(student, p)
     # exact per-position losses and their fp32 bounds b_i (numerics.fp32_bound, one backward pass);
@@ -162,7 +162,7 @@ def test_all_masked_batch_gives_zero_loss_and_no_nan():
 def test_optimizer_state_round_trips_exactly(tmp_path):
     sess, student, p, old, sc = fixture(4)
     opt, named = adapters.make_optimizer(sess.cfg.optim, student, None)
-    update.loss_and_backward(sess, student, p, old, sc)
+    update.backward_sums(sess, student, p, old, sc)
     opt.step()
     adapters.save_optimizer(opt, named, tmp_path / "opt.safetensors")
     opt2, named2 = adapters.make_optimizer(sess.cfg.optim, student, tmp_path / "opt.safetensors")
@@ -181,7 +181,7 @@ def test_no_tokens_by_vocab_fp32_tensor_beyond_one_chunk():
     n, V = p.targets.numel(), lmhead.head_weight(student).shape[0]
     full = n * V * 4  # bytes of one [tokens, vocab] fp32 tensor
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        update.loss_and_backward(sess, student, p, old, sc)
+        update.backward_sums(sess, student, p, old, sc)
     biggest = max((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), default=0)
     assert biggest < full / 2, (biggest, full)
     assert biggest >= 2 * V * 4  # sanity: one chunk of logits did get allocated

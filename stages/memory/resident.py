@@ -22,14 +22,13 @@ from ..run.store import Store, seed_of
 
 
 class Resident:
-    """One run's resident models. `prepared` (prepare's record: the model and tokenizer digests) and
-    `chain` (the run's digests) are set by the Session once prepare has run; `mark` records when a
-    construction event first happened (train.json, timings.startup_s)."""
+    """One run's resident models. `chain` (the run's digests, over prepare's record) is set by the
+    Session once prepare has run; `mark` records when a construction event first happened (train.json,
+    timings.startup_s)."""
 
     def __init__(self, cfg: Config, store: Store, device: torch.device, dtype, planned: str | None,
                  mark: Callable[[str], None]):
         self.cfg, self.store, self.device, self.dtype, self.mark = cfg, store, device, dtype, mark
-        self.prepared: dict | None = None
         self.chain: identity.Chain | None = None
         self._student = self._teacher = self._engine = self._tok = self._tok_t = self._maps = None
         self._policy: str | None = None  # digest of the policy whose adapter the student holds
@@ -39,6 +38,10 @@ class Resident:
         # the resident AdamW between updates: (policy digest it has stepped to, optimizer, named params)
         self.optimizer: tuple | None = None
         self._ahead = ahead.Ahead()  # reads started early (load_ahead), taken by name
+
+    @property
+    def prepared(self) -> dict:  # prepare's record: the model and tokenizer digests
+        return self.chain.prepared
 
     # ---- the two models ----
     def student(self):

@@ -19,7 +19,6 @@ run with another config made the other way.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import fcntl
 import os
@@ -28,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import UserError
-from .store import canonical, link, read_json, write_json
+from .store import canonical, link, read_json, read_state, write_json
 
 VIEW = "view.json"
 # files in the view that describe one run as a whole: removed when another run takes the view over
@@ -236,7 +235,7 @@ def link_step(sess, k: int) -> None:
     sess.store.wait(pol)  # its publish may still be running in the background
     link(pol / "adapter", d / "adapter")
     link(pol / "optimizer.safetensors", d / "optimizer.safetensors")
-    state = {"policy": json.loads((pol / "state.json").read_text())}
+    state = {"policy": read_state(pol)}
     if k > 0:
         files = {"rollout": (sess.chain.rollout(k), "rollout.parquet"),
                  "score": (sess.chain.score(k), "scores.parquet")}
@@ -246,7 +245,7 @@ def link_step(sess, k: int) -> None:
             sd = sess.store.path(name, dig)
             sess.store.wait(sd)
             link(sd / file, d / file)
-            state[name] = json.loads((sd / "state.json").read_text())
+            state[name] = read_state(sd)
     write_json(d / "state.json", state)
 
 

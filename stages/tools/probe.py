@@ -101,8 +101,8 @@ def measure(cfg, est: dict) -> dict:
     student.train()
     phases["update"] = {}
     with phase(sess.device, phases["update"]):
-        update.loss_and_backward(sess, student, p, torch.zeros(n, device=sess.device), sc, adv,
-                                 chunk=cfg.train.chunk)  # forward + backward; no optimizer step
+        update.backward_sums(sess, student, p, torch.zeros(n, device=sess.device), sc, adv,
+                             chunk=cfg.train.chunk)  # forward + backward; no optimizer step
     student.eval()
     for rec in phases.values():
         rec["peak_allocated_gib"] = round(rec["peak_allocated_gib"] - held / 2**30, 4)

@@ -1,4 +1,4 @@
-"""The update's loss (stages/update.py loss_and_backward) on a real tiny student, with single positions
+"""The update's loss (stages/update.py backward_sums) on a real tiny student, with single positions
 masked inside a response (response_mask 0 between generated tokens, as tool output is):
 
 * the loss and d loss / dh (h: the backbone's hidden state at each response position) equal the
@@ -52,7 +52,7 @@ def batch():
 
 
 def session(mode: str):
-    # what loss_and_backward reads of a Session: its config and device; chunk 4 splits the positions
+    # what backward_sums reads of a Session: its config and device; chunk 4 splits the positions
     return SimpleNamespace(cfg=config.compose([f"objective.topk={K}", f"objective.loss_agg_mode={mode}",
                                                "train.chunk=4"]), device=torch.device("cpu"))
 
@@ -84,8 +84,8 @@ def run(mode, batch, keep, sc=None, **bump):
     student, p, old, sc0 = batch
     student.zero_grad(set_to_none=True)
     with hidden_seen(**bump) as seen:
-        stats = update.loss_and_backward(session(mode), student, p, old, dict(sc or sc0),
-                                         keep=KEEP if keep else None)
+        stats = update.backward_sums(session(mode), student, p, old, dict(sc or sc0),
+                                     keep=KEEP if keep else None).read()
     grads = {n: q.grad.clone() for n, q in student.named_parameters() if q.grad is not None}
     return stats, grads, seen
 

@@ -307,7 +307,7 @@ def test_gpu_merge_in_place_publishes_what_resident_does(work, monkeypatch):
         return generate(self, *a, **kw)
 
     monkeypatch.setattr(sampler.Engine, "generate", generate_finds)
-    base = models.base_of(_with_and_without_merge_in_place(work, "runtime.device=cuda").student())
+    base = models.base_of(_with_and_without_merge_in_place(work, "runtime.device=cuda").models.student())
     assert premerged == [False, True], premerged  # (the copy's engine merges nothing ahead; in place, step 2's)
     assert found == [False, False, False, True], found  # step 2's rollout sampled that merge (nothing undid it)
     torch.cuda.synchronize()  # the student's base is pristine after the last rollout's copy back

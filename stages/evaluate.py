@@ -20,6 +20,9 @@ the three greedy answers with the row's checker (stages/rows/checkers.py) into t
 role (`task`: correct, n, accuracy, Wilson 95% interval, checker), and list the prompts that flipped
 between the initial and the final student (`flips`: gained, lost). The answers are the ones already
 generated for every held-out prompt, so scoring adds no generation.
+
+eval.every = k > 0 also measures policies k, 2k, ... on the teacher's answers (`policies`: KL and
+agreement, teacher-forced, no generation); `export.policy=best` exports the one with the lowest KL.
 """
 from __future__ import annotations
 
@@ -159,6 +162,21 @@ def task(rows: list[dict], text: dict[str, list[str]], prompt_key: str = "prompt
                     "flips": flips}
 
 
+def trajectory(sess: Session, result: dict, prompts, t_prompts, teacher_resp) -> list[dict]:
+    """Every eval.every-th policy's KL and agreement on the teacher's held-out answers, beside the
+    initial and the final ones already measured: [{"policy": k, "kl", "top1_agreement", "tokens"}]."""
+    K, out = sess.cfg.train.updates, []
+    for k in sess.cfg.eval.policies(K):
+        if k in (0, K):
+            m = result["initial" if k == 0 else "final"]["on_teacher_text"]
+        elif sess.cfg.objective.cross_tokenizer != "off":
+            m = measure_spans(sess, sess.models.use_policy(k), prompts, t_prompts, teacher_resp, "teacher")
+        else:
+            m = measure(sess, sess.models.use_policy(k), prompts, teacher_resp)
+        out.append({"policy": k, "kl": m["kl"], "top1_agreement": m["top1_agreement"], "tokens": m["tokens"]})
+    return out
+
+
 def run(sess: Session) -> dict:
     cfg, K = sess.cfg, sess.cfg.train.updates
     dig = sess.chain.evaluate()
@@ -190,6 +208,8 @@ def run(sess: Session) -> dict:
                     result[name] = {"on_teacher_text": measure(sess, student, prompts, teacher_resp),
                                     "on_own_text": measure(sess, student, prompts, own)}
                 result[name]["answers"] = answers(tok, own)
+            if cfg.eval.every:
+                result["policies"] = trajectory(sess, result, prompts, t_prompts, teacher_resp)
             ph["tokens"] = sum(map(len, teacher_resp))
         decoder = {"teacher": t_tok, "initial": tok, "final": tok}
         text = {who: [decoder[who].decode(r, skip_special_tokens=True) for r in said[who]] for who in ROLES}
@@ -241,6 +261,10 @@ def main(sess: Session) -> dict:
           f"on own text {o[0]:.4f} -> {o[1]:.4f}; top-1 agreement on teacher text {a[0]:.3f} -> {a[1]:.3f}; "
           f"non-blank answers {r['final']['answers']['nonblank']:.0%}" + _accuracy_note(r)
           + (" (published by an earlier run: reused)" if reused else ""))
+    if "policies" in r:
+        best = runview.best_policy(r, sess.cfg.train.updates)["policy"]
+        print("evaluate: held-out KL on teacher text by policy: "
+              + ", ".join(f"{p['policy']}: {p['kl']:.4f}" for p in r["policies"]) + f"; the lowest at policy {best}")
     warning = runview.worse_warning(runview.headline(r, sess.cfg.train.updates))
     if warning:
         print(warning, file=sys.stderr)

@@ -1,5 +1,6 @@
-"""export: the run's final policy as a standard PEFT adapter dir, the student base it applies to, a
-provenance manifest and, with --merged, a standalone model with the LoRA merged into its layers.
+"""export: the run's final policy (export.policy=best: its best evaluated one) as a standard PEFT
+adapter dir, the student base it applies to, a provenance manifest and, with --merged, a standalone
+model with the LoRA merged into its layers.
 
     model = AutoPeftModelForCausalLM.from_pretrained("artifacts/export/<run>/adapter")  # any cwd
     model = AutoModelForCausalLM.from_pretrained("artifacts/export/<run>/merged")       # --merged
@@ -30,9 +31,10 @@ from .errors import UserError
 from .run.store import fault, write_json
 from .session import Session
 
-# config keys that only say which run to export and where its artifacts are: anything else given
-# to `opd stage export` would be a config the export ignores (it exports the recorded run)
-SELECTORS = ("run", "artifacts")
+# config keys that only say which run to export, where its artifacts are and which of its policies:
+# anything else given to `opd stage export` would be a config the export ignores (it exports the
+# recorded run)
+SELECTORS = ("run", "artifacts", "export")
 # the files of a model dir that make up its tokenizer (copied next to the adapter and the merged model)
 TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "chat_template", "vocab", "merges", "added_tokens")
 
@@ -41,12 +43,12 @@ def check_selection(sess: Session, overrides: list[str] | None) -> None:
     """`opd stage export` exports the run the view recorded: an override that disagrees with that
     run's config would be ignored, so it is refused (one that agrees, or run=NAME, is fine)."""
     recorded = sess.run_dir / "config.json"
-    if not overrides or not recorded.is_file():  # no run there: final_policy() says so
+    if not overrides or not recorded.is_file():  # no run there: chosen_policy() says so
         return
     now, then = dataclasses.asdict(sess.cfg), json.loads(recorded.read_text())
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
-        if key in SELECTORS:
+        if key.split(".")[0] in SELECTORS:
             continue
         a, b = _dotted(now, key), _dotted(then, key)
         if a != b:
@@ -60,31 +62,46 @@ def _dotted(d: dict, key: str):
     return d
 
 
-def final_policy(sess: Session) -> tuple[dict, Path]:
-    """(the run view's record, the final policy's published dir); UserError if the run has none."""
+def chosen_policy(sess: Session) -> tuple[dict, Path, dict]:
+    """(the run view's record, the published dir of the policy export.policy chooses, why it was
+    chosen: {"step", "digest", "rule"[, "kl", "of", "evaluate"]}); UserError if there is none.
+    final: the run's last policy. best: the evaluated policy with the lowest held-out KL on the
+    teacher's answers (runview.best_policy), read from the run's evaluation in the store."""
     cfg = sess.cfg
     rec = runview.read(sess.run_dir)
     hint = f"run it first (`opd run run={cfg.run}`, or `dvc repro` for the run params.yaml names)"
     if rec is None or not rec.get("complete"):
         raise UserError(f"run {cfg.run!r} has no final policy ({sess.run_dir} holds no finished run); {hint}")
-    d = rec["digests"]
-    stage = "update" if rec["updates"] else d["policy0_stage"]
-    pol = sess.store.get(stage, d["final_policy"])
+    d, K = rec["digests"], rec["updates"]
+    why: dict = {"step": K, "rule": "the run's final policy (export.policy=final)"}
+    if cfg.export.policy == "best":
+        # the digest of this run's evaluation: its recorded prepare and runtime (export opens no models)
+        ev = sess.store.get("evaluate", identity.Chain(cfg, lambda: rec["runtime"], d["prepared"]).evaluate())
+        if ev is None:
+            raise UserError(f"export.policy=best: run {cfg.run!r} has no evaluation in {sess.store.root} for this "
+                            f"config; run `opd stage evaluate` first (`opd run` does)")
+        best = runview.best_policy(json.loads((ev / "eval.json").read_text()), K)
+        why = {"step": best["policy"], "kl": best["kl"], "of": best["of"], "evaluate": ev.name,
+               "rule": "the lowest held-out KL(teacher||student) on the teacher's answers among the evaluated "
+                       "policies (export.policy=best; eval.every sets which are evaluated)"}
+    k = why["step"]
+    stage, dig = ("update", d["steps"][str(k)]["update"]) if k else (d["policy0_stage"], d["initial_policy"])
+    pol = sess.store.get(stage, dig)
     if pol is None:
-        raise UserError(f"run {cfg.run!r} has no final policy: {stage}/{d['final_policy'][:12]} is missing or "
+        raise UserError(f"run {cfg.run!r} has no policy {k}: {stage}/{dig[:12]} is missing or "
                         f"damaged in {sess.store.root}; {hint}")
-    return rec, pol
+    return rec, pol, {**why, "digest": dig}
 
 
 def run(sess: Session, out: Path | None = None, merged: bool = False) -> Path:
     cfg = sess.cfg
     out = Path(out or Path(cfg.artifacts) / "export" / cfg.run)
-    rec, pol = final_policy(sess)
+    rec, pol, why = chosen_policy(sess)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "a") as lock:  # one exporter per dir (two runs, one view)
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         try:
-            _export(sess, rec, pol, out, merged)
+            _export(sess, rec, pol, why, out, merged)
         except BaseException:  # abandoned (error, SIGTERM): leave no temp dir behind
             shutil.rmtree(out.parent / f".{out.name}.tmp-{os.getpid()}", ignore_errors=True)
             raise
@@ -92,7 +109,7 @@ def run(sess: Session, out: Path | None = None, merged: bool = False) -> Path:
     return out
 
 
-def _export(sess: Session, rec: dict, pol: Path, out: Path, merged: bool) -> None:
+def _export(sess: Session, rec: dict, pol: Path, why: dict, out: Path, merged: bool) -> None:
     fault("export.before", out)
     for stale in out.parent.glob(f".{out.name}.tmp-*"):  # under the lock: dead writers' leftovers
         shutil.rmtree(stale, ignore_errors=True)
@@ -122,6 +139,7 @@ def _export(sess: Session, rec: dict, pol: Path, out: Path, merged: bool) -> Non
         "teacher": config["teacher"]["name"],
         "digests": {"prepared": rec["digests"]["prepared"], "initial_policy": rec["digests"]["initial_policy"],
                     "final_policy": rec["digests"]["final_policy"], "steps": rec["digests"]["steps"]},
+        "policy": why,  # which policy adapter/ holds, and why (export.policy)
         "load": {"adapter": f"AutoPeftModelForCausalLM.from_pretrained('adapter') (its base is {hub[0]!r} at "
                             f"revision {hub[1]}, from the Hugging Face cache or hub: this dir may move; "
                             "base/ holds the same model)" if hub is not None else
@@ -193,6 +211,9 @@ def _merge(tmp: Path, dtype: str) -> None:
 
 def main(sess: Session, out: Path | None = None, merged: bool = False) -> Path:
     d = run(sess, out, merged)
-    print(f"export: {d}/adapter (PEFT), {d}/base" + (f", {d}/merged (standalone)" if merged else "")
+    why = json.loads((d / "manifest.json").read_text())["policy"]
+    chosen = "" if sess.cfg.export.policy == "final" else \
+        f" (policy {why['step']} of {why['of']}: held-out KL {why['kl']:.4f}, the lowest)"
+    print(f"export: {d}/adapter (PEFT){chosen}, {d}/base" + (f", {d}/merged (standalone)" if merged else "")
           + f", {d}/manifest.json")
     return d

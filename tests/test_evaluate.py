@@ -217,3 +217,35 @@ def test_a_reasoning_gym_file_trains_and_reports_task_accuracy(work):
     samples = pq.read_table(next((work / "artifacts" / "store" / "evaluate").glob("*/samples.parquet"))).to_pylist()
     assert len(samples) == 3 * n and {s["checker"] for s in samples} == {"reasoning_gym/chain_sum"}
     assert sum(s["score"] == 1.0 for s in samples if s["policy"] == "final") == ev["final"]["task"]["correct"]
+
+
+# ---- eval.every and export.policy=best ----
+
+def test_evaluated_policies_are_0_every_kth_and_the_last():
+    from stages.run.config import EvalCfg
+    evaluated = lambda K, every: EvalCfg(every=every).policies(K)  # noqa: E731
+    assert evaluated(8, 0) == [0, 8] and evaluated(8, 3) == [0, 3, 6, 8] and evaluated(8, 4) == [0, 4, 8]
+    assert evaluated(2, 5) == [0, 2] and evaluated(0, 1) == [0]
+
+
+def test_best_policy_is_the_lowest_kl_earliest_of_equals_else_initial_or_final():
+    rec = _record((0.44, 1.14), (0.733, 0.588))  # the real pair that got worse: policy 0 is the best of two
+    assert runview.best_policy(rec, 4) == {"policy": 0, "kl": 0.44, "of": [0, 4]}
+    assert runview.best_policy(_record((3.1, 0.75), (0.28, 0.65)), 4)["policy"] == 4
+    rec["policies"] = [{"policy": k, "kl": kl} for k, kl in ((0, 0.44), (2, 0.31), (4, 1.14), (6, 0.31), (8, 0.5))]
+    assert runview.best_policy(rec, 8) == {"policy": 2, "kl": 0.31, "of": [0, 2, 4, 6, 8]}
+    assert runview.headline(rec, 8)["best_policy"] == 2 and "best_policy" not in runview.headline(_record(
+        (3.1, 0.75), (0.28, 0.65)), 4)
+
+
+def test_eval_every_zero_keeps_the_evaluate_digest_and_a_nonzero_one_names_the_policies(work):
+    base = session(work)
+    d0 = base.chain.evaluate()
+    assert session(work, "eval.every=0").chain.evaluate() == d0
+    K = base.cfg.train.updates
+    every = session(work, "eval.every=1")
+    d1 = every.chain.evaluate()
+    assert d1 != d0 and d1 == session(work, "eval.every=1").chain.evaluate()
+    assert every.cfg.eval.policies(K) == list(range(K + 1))
+    # every > K evaluates only 0 and K, yet names the setting: another digest, never a silent equal
+    assert session(work, f"eval.every={K + 1}").chain.evaluate() not in (d0, d1)

@@ -132,6 +132,21 @@ class TrainCfg:
 class EvalCfg:
     max_new_tokens: int = 32
     chunk: int = 256
+    # also measure every k-th policy (k, 2k, ...) on the teacher's held-out answers: KL and top-1
+    # agreement, teacher-forced (no generation); what `export.policy=best` chooses among. 0: the
+    # initial and the final policy only
+    every: int = 0
+
+    def policies(self, K: int) -> list[int]:
+        """The policies evaluate measures, in order: 0, every, 2 every, ... and K (every = 0: 0 and K)."""
+        return sorted({0, K, *(range(self.every, K, self.every) if self.every else ())})
+
+
+@dataclass
+class ExportCfg:
+    # final: the run's last policy. best: the evaluated policy (initial, final, every eval.every-th)
+    # with the lowest held-out KL(teacher||student) on the teacher's answers (stages/export.py)
+    policy: str = "final"
 
 
 @dataclass
@@ -230,6 +245,7 @@ class Config:
     optim: OptimCfg = field(default_factory=OptimCfg)
     train: TrainCfg = field(default_factory=TrainCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
+    export: ExportCfg = field(default_factory=ExportCfg)
     runtime: RuntimeCfg = field(default_factory=RuntimeCfg)
     memory: MemoryCfg = field(default_factory=MemoryCfg)
     selection: SelectionCfg = field(default_factory=SelectionCfg)

@@ -74,7 +74,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     # evaluate 2: eval.json adds the answers (non-blank share, distinct bigrams) and the side-by-side samples;
     # 3: task accuracy per role and the flipped prompts (eval.json), score and checker (samples.parquet)
     Stage("evaluate", 3, ("eval", "train.updates", "rollout.cuda_graphs", "objective.cross_tokenizer") + RUNTIME,
-          ("initial", "final", "prompts", "teacher", "teacher_adapter", "student"), "evaluate"),
+          ("initial", "final", "policies", "prompts", "teacher", "teacher_adapter", "student"), "evaluate"),
     Stage("tooleval", 1, ("env.max_turns", "env.max_tokens_per_turn", "rollout.cuda_graphs") + RUNTIME,
           ("policy", "policy_stage", "tasks", "student"), None),
     # probe 2: peaks exclude what the process held on the device before the probe loaded its models;
@@ -109,11 +109,8 @@ def reads(cfg: Config, stage: str) -> Any:
 
 def make(stage: str, cfg_slice: dict, inputs: dict[str, Any]) -> str:
     """The digest of `stage` from its config slice and inputs (only declared inputs are accepted)."""
-    s = STAGES[stage]
-    extra = set(inputs) - set(s.inputs)
-    if extra:
-        raise KeyError(f"stage '{stage}': undeclared inputs {sorted(extra)} (stages/run/identity.py)")
-    return digest(stage, s.version, cfg_slice, inputs)
+    _declared(stage, inputs)
+    return digest(stage, STAGES[stage].version, cfg_slice, inputs)
 
 
 # ---- the stages prepare publishes ----
@@ -167,8 +164,7 @@ def tasks(cfg: Config, part: str, tokenizer_fp: str) -> str:
 
 
 def _declared(stage: str, names) -> None:
-    extra = set(names) - set(STAGES[stage].inputs)
-    if extra:
+    if extra := set(names) - set(STAGES[stage].inputs):
         raise KeyError(f"stage '{stage}': undeclared inputs {sorted(extra)} (stages/run/identity.py)")
 
 
@@ -329,10 +325,14 @@ class Chain:
         s = self._with_engine_graphs(s, c)  # it samples greedy answers with the rollout engine
         if c.objective.cross_tokenizer != "off":  # measured on aligned spans; the key only then
             s["objective.cross_tokenizer"] = c.objective.cross_tokenizer
-        K = c.train.updates
-        return make("evaluate", s, {"initial": self.policy(0), "final": self.policy(K),
-                                    "prompts": self.prepared["prompts"], **self.teacher_inputs(),
-                                    "student": self.prepared["student"]})
+        K = c.train.updates  # eval.every > 0: also the policies between 0 and K, and the key
+        inputs = {"initial": self.policy(0), "final": self.policy(K), "prompts": self.prepared["prompts"],
+                  **self.teacher_inputs(), "student": self.prepared["student"]}
+        if s["eval"]["every"]:  # (only then: the digests of runs without it unchanged)
+            inputs["policies"] = {str(k): self.policy(k) for k in c.eval.policies(K)[1:-1]}
+        else:
+            del s["eval"]["every"]
+        return make("evaluate", s, inputs)
 
     def tooleval(self, stage: str, policy: str) -> str:
         """Greedy held-out episodes of the student adapter published by (stage, policy)."""

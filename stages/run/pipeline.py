@@ -22,7 +22,9 @@ PIPELINE = {
                  f"    metrics:\n      - {RUN}/metrics.json\n"
                  f"    outs:\n      - {RUN}/eval.json:\n          cache: false\n"
                  f"      - {RUN}/answers.json:\n          cache: false\n"),
-    "export": ("opd stage export --params params.yaml", "stages.export", [f"{RUN}/train.json"], [],
+    # eval.json: export.policy=best chooses by the evaluation
+    "export": ("opd stage export --params params.yaml", "stages.export", [f"{RUN}/train.json", f"{RUN}/eval.json"],
+               ["export"],
                "    outs:\n      - artifacts/export/${run}:\n          cache: false\n"),
     "report": ("opd stage report --params params.yaml", "stages.report",
                [f"{RUN}/train.json", f"{RUN}/history.csv", f"{RUN}/metrics.json", f"{RUN}/eval.json",

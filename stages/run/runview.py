@@ -42,15 +42,27 @@ def headline(result: dict, updates: int) -> dict:
     of the final policy (`_after`); the share of non-blank greedy answers after; `worse` (below) when KL
     rose, or agreement or task accuracy fell, past the evaluation's noise. Where held-out rows have a
     ground truth, task accuracy (`acc_before`, `acc_after`, `acc_teacher`: the evaluate stage's `task`).
+    With eval.every, `best_policy`: the step of the lowest held-out KL (`best_policy` below).
     The numbers are the record's own (already rounded), so the file is as reproducible."""
     t0, t1 = result["initial"]["on_teacher_text"], result["final"]["on_teacher_text"]
     out = {"kl_before": t0["kl"], "kl_after": t1["kl"], "agree_before": t0["top1_agreement"],
            "agree_after": t1["top1_agreement"], "nonblank_after": result["final"]["answers"]["nonblank"],
            "updates": updates, "worse": worse(result["initial"], result["final"])}
+    if "policies" in result:  # eval.every: the policy export.policy=best would take
+        out.update(best_policy=best_policy(result, updates)["policy"])
     if "task" in result["final"]:
         out.update({f"acc_{key}": result[who]["task"]["accuracy"]
                     for key, who in (("before", "initial"), ("after", "final"), ("teacher", "teacher"))})
     return out
+
+
+def best_policy(result: dict, K: int) -> dict:
+    """Of the evaluated policies (`policies`, else the initial and the final one), the one with the
+    lowest held-out KL on the teacher's answers (the earliest of equals): {"policy": k, "kl", "of"}."""
+    cands = result.get("policies") or [{"policy": 0, "kl": result["initial"]["on_teacher_text"]["kl"]},
+                                       {"policy": K, "kl": result["final"]["on_teacher_text"]["kl"]}]
+    best = min(cands, key=lambda c: (c["kl"], c["policy"]))
+    return {"policy": best["policy"], "kl": best["kl"], "of": [c["policy"] for c in cands]}
 
 
 KL_RISE = 0.05  # a relative rise of held-out KL past which a run counts as worse (evaluation noise is less)
@@ -302,3 +314,4 @@ def ranges(ks: list[int]) -> str:
 
 def _is_run_dir(p: Path) -> bool:
     return p.is_dir() and any((p / f).exists() for f in (VIEW, "history.csv", "step-0000", "step-0001"))
+

@@ -21,6 +21,7 @@ CHOICES = {
     "objective.divergence": ("forward", "reverse", "jsd"),
     "objective.cross_tokenizer": ("off", "spans"),
     "rollout.sampler": ("student", "teacher"),
+    "export.policy": ("final", "best"),
     "runtime.device": ("auto", "cpu", "cuda"),
     "runtime.dtype": ("auto", "float32", "bfloat16"),
     "teacher_mode": ("raw", "privileged_context", "protocol_sft"),
@@ -36,7 +37,8 @@ POSITIVE = (
 )
 NON_NEGATIVE = ("student.keep_layers", "teacher.keep_layers", "rollout.min_new_tokens", "optim.warmup_updates",
                 "rollout.temperature",
-                "runtime.threads", "optim.weight_decay", "optim.max_grad_norm", "sft.steps", "sft.teacher_steps")
+                "runtime.threads", "optim.weight_decay", "optim.max_grad_norm", "sft.steps", "sft.teacher_steps",
+                "eval.every")
 
 
 # `run` names artifacts/runs/<run> and artifacts/export/<run>: a plain name, so that no config value

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.engine import graphs, lmhead, sampler
+from stages.engine import lmhead, sampler
 from stages.weights import models
 from stages.weights.state import state
 from engine_models import PAD, tiny, with_trained_lora

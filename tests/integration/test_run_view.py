@@ -12,7 +12,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from support import ROOT, TINY, opd
+from stages.run import runview
+from support import ROOT, TINY, opd, session
 
 UPDATES = [o for o in TINY if not o.startswith("train.updates=")]
 
@@ -174,3 +175,47 @@ def test_export_of_a_named_run_is_that_runs_final_policy(base4, tmp_path):
     r = opd("stage", "export", "run=short", "train.updates=5", cwd=w, check=False)
     assert r.returncode == 2 and "run 'short' was trained with train.updates=2" in r.stderr
     opd("stage", "export", "run=short", *tiny(2), cwd=w)  # overrides that agree with the run are fine
+
+
+def test_export_policy_best_exports_the_evaluated_policy_of_lowest_held_out_kl(base4, tmp_path, monkeypatch):
+    """eval.every=1 measures every policy on the teacher's held-out answers; export.policy=best takes
+    the lowest, bytes for bytes the adapter that step published. The training is all reused."""
+    w = copy_of(base4, tmp_path / "w")
+    train = json.loads((w / "artifacts/runs/default/train.json").read_text())
+    r = opd("run", *tiny(4, "eval.every=1", "export.policy=best"), cwd=w)
+    assert "(4 reused, 0 computed)" in r.stdout
+    ev = json.loads((w / "artifacts/runs/default/eval.json").read_text())
+    pol = ev["policies"]
+    assert [p["policy"] for p in pol] == [0, 1, 2, 3, 4]
+    assert pol[0]["kl"] == ev["initial"]["on_teacher_text"]["kl"] and pol[-1]["kl"] == ev["final"]["on_teacher_text"]["kl"]
+    assert len({p["kl"] for p in pol}) > 1  # each policy measured, not one figure repeated
+    best = min(pol, key=lambda p: (p["kl"], p["policy"]))["policy"]
+    assert json.loads((w / "artifacts/runs/default/metrics.json").read_text())["best_policy"] == best
+    assert f"the lowest at policy {best}" in r.stdout and f"(policy {best} of [0, 1, 2, 3, 4]" in r.stdout
+    man = json.loads((w / "artifacts/export/default/manifest.json").read_text())
+    assert man["policy"]["step"] == best and man["digests"]["final_policy"] == train["final_policy"]
+    stage, dig = ("update", man["digests"]["steps"][str(best)]["update"]) if best else \
+        (json.loads((w / "artifacts/runs/default/view.json").read_text())["digests"]["policy0_stage"],
+         man["digests"]["initial_policy"])
+    assert man["policy"]["digest"] == dig
+    published = w / "artifacts/store" / stage / dig / "adapter/adapter_model.safetensors"
+    assert (w / "artifacts/export/default/adapter/adapter_model.safetensors").read_bytes() == published.read_bytes()
+    # the default exports the final policy, as before
+    opd("stage", "export", *tiny(4, "eval.every=1"), "--out", "final", cwd=w)
+    assert json.loads((w / "final/manifest.json").read_text())["policy"]["step"] == 4
+    # a run that was never evaluated has no best policy: one line, exit 2, no export
+    opd("stage", "train", *tiny(2, "run=short"), cwd=w)
+    r = opd("stage", "export", *tiny(2, "run=short", "export.policy=best"), cwd=w, check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "export.policy=best: run 'short' has no evaluation" in r.stderr
+    assert not (w / "artifacts/export/short").exists()
+    # a trained step chosen (the tiny random pair's KL only rises): the adapter that update published
+    from stages import export
+
+    monkeypatch.setattr(runview, "best_policy", lambda result, K: {"policy": 2, "kl": 0.0, "of": [0, 1, 2, 3, 4]})
+    sess = session(w, *tiny(4, "eval.every=1", "export.policy=best", f"artifacts={w / 'artifacts'}"))
+    export.run(sess, w / "second")
+    man = json.loads((w / "second/manifest.json").read_text())
+    dig = man["digests"]["steps"]["2"]["update"]
+    assert man["policy"]["step"] == 2 and man["policy"]["digest"] == dig
+    assert (w / "second/adapter/adapter_model.safetensors").read_bytes() == \
+        (w / "artifacts/store/update" / dig / "adapter/adapter_model.safetensors").read_bytes()

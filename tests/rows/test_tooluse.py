@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import numerics
-from support import ROOT, TINY, opd, session
+from support import ROOT, opd, session
 from engine_models import engine_hidden, tempered_logprob
 from stages import envs, tooleval, train
 from stages.run import config, runview

@@ -51,10 +51,17 @@ def greedy(sess: Session, model, engine, prompts: list[list[int]], tok=None) -> 
     return [out.tokens[b, :int(out.lengths[b])].tolist() for b in range(len(prompts))]
 
 
-def measure(sess: Session, student, prompts, responses) -> dict:
+def teacher_states(sess: Session, prompts, responses) -> tuple[lmhead.Packed, torch.Tensor]:
+    """The rows packed, and the teacher's hidden states over them: one forward per set of answers,
+    shared by every policy `measure` reads them for (the teacher's answers: two, or eval.every's)."""
     p = lmhead.pack(prompts, responses, [[1] * len(r) for r in responses], pad=0, device=sess.device)
     with torch.no_grad():
-        h_t = lmhead.hidden(sess.models.teacher(), p)
+        return p, lmhead.hidden(sess.models.teacher(), p)
+
+
+def measure(sess: Session, student, p: lmhead.Packed, h_t: torch.Tensor) -> dict:
+    """Mean KL(teacher||student) and top-1 agreement over the response positions of `p` (teacher_states)."""
+    with torch.no_grad():
         h_s = lmhead.hidden(student, p)
         kl, agree = lmhead.kl_positions(h_t, lmhead.head_weight(sess.models.teacher()), h_s, lmhead.head_weight(student),
                                         sess.cfg.eval.chunk)
@@ -162,9 +169,10 @@ def task(rows: list[dict], text: dict[str, list[str]], prompt_key: str = "prompt
                     "flips": flips}
 
 
-def trajectory(sess: Session, result: dict, prompts, t_prompts, teacher_resp) -> list[dict]:
+def trajectory(sess: Session, result: dict, prompts, t_prompts, teacher_resp, on_teacher) -> list[dict]:
     """Every eval.every-th policy's KL and agreement on the teacher's held-out answers, beside the
-    initial and the final ones already measured: [{"policy": k, "kl", "top1_agreement", "tokens"}]."""
+    initial and the final ones already measured: [{"policy": k, "kl", "top1_agreement", "tokens"}].
+    on_teacher: teacher_states of the teacher's answers (None for a cross-tokenizer run)."""
     K, out = sess.cfg.train.updates, []
     for k in sess.cfg.eval.policies(K):
         if k in (0, K):
@@ -172,7 +180,7 @@ def trajectory(sess: Session, result: dict, prompts, t_prompts, teacher_resp) ->
         elif sess.cfg.objective.cross_tokenizer != "off":
             m = measure_spans(sess, sess.models.use_policy(k), prompts, t_prompts, teacher_resp, "teacher")
         else:
-            m = measure(sess, sess.models.use_policy(k), prompts, teacher_resp)
+            m = measure(sess, sess.models.use_policy(k), *on_teacher)
         out.append({"policy": k, "kl": m["kl"], "top1_agreement": m["top1_agreement"], "tokens": m["tokens"]})
     return out
 
@@ -197,6 +205,7 @@ def run(sess: Session) -> dict:
             engine = sampler.make(sess.models.teacher(), cfg.rollout.cuda_graphs, sess.models.compiled_decode, sess.store.flush)
             teacher_resp = greedy(sess, sess.models.teacher(), engine, t_prompts, t_tok)
             result, said = {"teacher": {"answers": answers(t_tok, teacher_resp)}}, {"teacher": teacher_resp}
+            on_teacher = None if cross else teacher_states(sess, prompts, teacher_resp)
             for name, k in (("initial", 0), ("final", K)):
                 student = sess.models.use_policy(k)
                 own = said[name] = greedy(sess, student, sess.models.engine(), prompts)
@@ -205,11 +214,11 @@ def run(sess: Session) -> dict:
                                                                      "teacher"),
                                     "on_own_text": measure_spans(sess, student, prompts, t_prompts, own, "student")}
                 else:
-                    result[name] = {"on_teacher_text": measure(sess, student, prompts, teacher_resp),
-                                    "on_own_text": measure(sess, student, prompts, own)}
+                    result[name] = {"on_teacher_text": measure(sess, student, *on_teacher),
+                                    "on_own_text": measure(sess, student, *teacher_states(sess, prompts, own))}
                 result[name]["answers"] = answers(tok, own)
             if cfg.eval.every:
-                result["policies"] = trajectory(sess, result, prompts, t_prompts, teacher_resp)
+                result["policies"] = trajectory(sess, result, prompts, t_prompts, teacher_resp, on_teacher)
             ph["tokens"] = sum(map(len, teacher_resp))
         decoder = {"teacher": t_tok, "initial": tok, "final": tok}
         text = {who: [decoder[who].decode(r, skip_special_tokens=True) for r in said[who]] for who in ROLES}

@@ -74,12 +74,12 @@ def chosen_policy(sess: Session) -> tuple[dict, Path, dict]:
         raise UserError(f"run {cfg.run!r} has no final policy ({sess.run_dir} holds no finished run); {hint}")
     d, K = rec["digests"], rec["updates"]
     why: dict = {"step": K, "rule": "the run's final policy (export.policy=final)"}
-    if cfg.export.policy == "best":
-        # the digest of this run's evaluation: its recorded prepare and runtime (export opens no models)
-        ev = sess.store.get("evaluate", identity.Chain(cfg, lambda: rec["runtime"], d["prepared"]).evaluate())
+    if cfg.export.policy == "best":  # the evaluation of the run's recorded config (the one `opd run` made)
+        chain = runview.chain_of(runview.recorded_config(sess.run_dir), rec)
+        ev = chain and sess.store.get("evaluate", chain.evaluate())
         if ev is None:
-            raise UserError(f"export.policy=best: run {cfg.run!r} has no evaluation in {sess.store.root} for this "
-                            f"config; run `opd stage evaluate` first (`opd run` does)")
+            raise UserError(f"export.policy=best: run {cfg.run!r} has no evaluation in {sess.store.root}; "
+                            f"run `opd stage evaluate run={cfg.run}` first (`opd run` does)")
         best = runview.best_policy(json.loads((ev / "eval.json").read_text()), K)
         why = {"step": best["policy"], "kl": best["kl"], "of": best["of"], "evaluate": ev.name,
                "rule": "the lowest held-out KL(teacher||student) on the teacher's answers among the evaluated "

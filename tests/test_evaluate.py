@@ -249,3 +249,21 @@ def test_eval_every_zero_keeps_the_evaluate_digest_and_a_nonzero_one_names_the_p
     assert every.cfg.eval.policies(K) == list(range(K + 1))
     # every > K evaluates only 0 and K, yet names the setting: another digest, never a silent equal
     assert session(work, f"eval.every={K + 1}").chain.evaluate() not in (d0, d1)
+
+
+def test_the_teacher_reads_each_set_of_answers_once_whatever_the_policies_measured(work, monkeypatch):
+    """eval.every=1 measures every policy on the teacher's answers: the teacher's forward over them
+    runs once (plus once over each student's own answers), not once per policy."""
+    from stages import train
+    from stages.engine import lmhead
+
+    sess = session(work, "eval.every=1")
+    train.run(sess)
+    teacher, reads, hidden = sess.models.teacher(), [], lmhead.hidden
+    monkeypatch.setattr(lmhead, "hidden", lambda model, p, *a, **kw: (
+        reads.append(model is teacher) or hidden(model, p, *a, **kw)))
+    result = evaluate.run(sess)
+    K = sess.cfg.train.updates
+    assert [p["policy"] for p in result["policies"]] == list(range(K + 1))
+    # teacher: its answers once, then the initial and the final student's own answers; students: 2 + 2 + K - 1
+    assert reads.count(True) == 3 and reads.count(False) == 2 + 2 + (K - 1)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
-from ..run import config, identity, runview
+from ..run import identity, runview
 from ..run.store import MANIFEST, file_hash
 from ..weights import models
 
@@ -140,11 +140,11 @@ def reach(run_dir: Path, root: Path) -> Reach:
         return r
     unknown = f"run {run_dir.name!r}: made by another version of the stages (its recorded digests are kept; " \
               "its evaluation is not identified)"
+    chain = runview.chain_of(cfg, view)
+    if chain is None:
+        r.notes.append(unknown)
+        return r
     try:
-        chain = identity.Chain(cfg, lambda: view["runtime"], d["prepared"])
-        if (chain.policy(0), chain.policy(view["updates"])) != (d["initial_policy"], d["final_policy"]):
-            r.notes.append(unknown)
-            return r
         r.stages.add(("evaluate", chain.evaluate()))
         if cfg.sft.steps:
             r.stages.add(("init", chain.init()))  # the fresh LoRA the cold start trained from
@@ -185,13 +185,13 @@ def _prepared(p: dict, root: Path) -> set:
 
 def _config(run_dir: Path, r: Reach, quiet: bool):
     """The run's resolved config (config.json, written when it starts training), or None (noted)."""
-    data = _json(run_dir / "config.json")
     why = "no readable config.json"
-    if isinstance(data, dict):
-        try:
-            return config.from_container(data, str(run_dir / "config.json"))
-        except UserError as e:
-            why = str(e)
+    try:
+        cfg = runview.recorded_config(run_dir)
+        if cfg is not None:
+            return cfg
+    except UserError as e:
+        why = str(e)
     if not quiet:
         r.notes.append(f"run {run_dir.name!r}: {why} (its recorded digests are kept; its evaluation is not identified)")
     return None

@@ -203,6 +203,9 @@ def test_export_policy_best_exports_the_evaluated_policy_of_lowest_held_out_kl(b
     # the default exports the final policy, as before
     opd("stage", "export", *tiny(4, "eval.every=1"), "--out", "final", cwd=w)
     assert json.loads((w / "final/manifest.json").read_text())["policy"]["step"] == 4
+    # given only the run's name, export finds the evaluation of the run's recorded config (eval.every=1)
+    opd("stage", "export", "run=default", "export.policy=best", "--out", "named", cwd=w)
+    assert json.loads((w / "named/manifest.json").read_text())["policy"] == man["policy"]
     # a run that was never evaluated has no best policy: one line, exit 2, no export
     opd("stage", "train", *tiny(2, "run=short"), cwd=w)
     r = opd("stage", "export", *tiny(2, "run=short", "export.policy=best"), cwd=w, check=False)

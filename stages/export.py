@@ -24,7 +24,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .run import files, identity, reproducible, runview
+from .run import files, identity, recorded, reproducible, runview
 from .run.config import ModelCfg
 from .weights import models
 from .errors import UserError
@@ -75,7 +75,7 @@ def chosen_policy(sess: Session) -> tuple[dict, Path, dict]:
     d, K = rec["digests"], rec["updates"]
     why: dict = {"step": K, "rule": "the run's final policy (export.policy=final)"}
     if cfg.export.policy == "best":  # the evaluation of the run's recorded config (the one `opd run` made)
-        chain = runview.chain_of(runview.recorded_config(sess.run_dir), rec)
+        chain = recorded.chain(recorded.config(sess.run_dir), rec)
         ev = chain and sess.store.get("evaluate", chain.evaluate())
         if ev is None:
             raise UserError(f"export.policy=best: run {cfg.run!r} has no evaluation in {sess.store.root}; "

@@ -65,32 +65,6 @@ def best_policy(result: dict, K: int) -> dict:
     return {"policy": best["policy"], "kl": best["kl"], "of": [c["policy"] for c in cands]}
 
 
-def recorded_config(run_dir: Path):
-    """The resolved config the run trained with (config.json, written as it starts training), or None
-    if there is none; a file that is no config of this version is a UserError naming it."""
-    from .config import from_container
-
-    data = read_json(run_dir / "config.json")
-    return None if data is None else from_container(data, str(run_dir / "config.json"))
-
-
-def chain_of(cfg, view: dict):
-    """The digest chain of the run `view` records, under its recorded config `cfg`: from the run's own
-    prepare record and runtime, so nothing is loaded. None where the config does not give the view's
-    policies (a run made by another version of the stages), or no config is given."""
-    from .identity import Chain  # (torch: only where a chain is asked for)
-
-    if cfg is None:
-        return None
-    d = view["digests"]
-    chain = Chain(cfg, lambda: view["runtime"], d["prepared"])
-    try:
-        same = (chain.policy(0), chain.policy(view["updates"])) == (d["initial_policy"], d["final_policy"])
-    except (KeyError, UserError):  # a record of another version (a key it lacks)
-        return None
-    return chain if same else None
-
-
 KL_RISE = 0.05  # a relative rise of held-out KL past which a run counts as worse (evaluation noise is less)
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
-from ..run import identity, runview
+from ..run import identity, recorded, runview
 from ..run.store import MANIFEST, file_hash
 from ..weights import models
 
@@ -140,7 +140,7 @@ def reach(run_dir: Path, root: Path) -> Reach:
         return r
     unknown = f"run {run_dir.name!r}: made by another version of the stages (its recorded digests are kept; " \
               "its evaluation is not identified)"
-    chain = runview.chain_of(cfg, view)
+    chain = recorded.chain(cfg, view)
     if chain is None:
         r.notes.append(unknown)
         return r
@@ -187,7 +187,7 @@ def _config(run_dir: Path, r: Reach, quiet: bool):
     """The run's resolved config (config.json, written when it starts training), or None (noted)."""
     why = "no readable config.json"
     try:
-        cfg = runview.recorded_config(run_dir)
+        cfg = recorded.config(run_dir)
         if cfg is not None:
             return cfg
     except UserError as e:

@@ -31,6 +31,7 @@
 # OPD_TESTS_K: a pytest -k expression for the GPU tests (OPD_TESTS splits on spaces: a -k expression with
 # spaces in it there selects nothing; 2026-12-04, 15847d0's call ran no test that way).
 # OPD_BENCH_EXTRA: more systems.py options, later ones win (e.g. "--ours default --peers miniverl").
+# OPD_PROFILE_B=1: the same for workload b's default (profile-b.txt; ~80 s more).
 # OPD_PROFILE=1: also a torch.profiler table of one step and the rollout split (profile.txt); the first
 # update's construction is `first` (py-spy; cProfile distorted it).
 # OPD_DEADLINE_S (default 520): seconds from this script's start by which the benchmark stops
@@ -101,7 +102,8 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   left=$(( ${OPD_DEADLINE_S:-520} - SECONDS ))
   work=$(mktemp -d /tmp/opd-bench-XXXXXX)  # a fresh work dir: nothing of an earlier run is reused
   python3 benchmarks/systems.py --workload all --peers trl,miniverl --tokenizer .bench/smollm2-tokenizer \
-    --out "$out/systems" --work "$work" ${OPD_PROFILE:+--profile "$out/profile.txt"} --deadline-s "$left" --peer-updates 3 \
+    --out "$out/systems" --work "$work" ${OPD_PROFILE:+--profile "$out/profile.txt"} \
+    ${OPD_PROFILE_B:+--profile-b "$out/profile-b.txt"} --deadline-s "$left" --peer-updates 3 \
     ${OPD_BENCH_DATE:+--date "$OPD_BENCH_DATE"} ${OPD_BENCH_EXTRA:-} 2>&1 | tee "$out/systems.log" | tail -40
   rc=$(( rc || PIPESTATUS[0] ))
 fi

@@ -243,7 +243,7 @@ def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
     from stages.run import config, runview
 
     # its own run name: the profiled run has more updates, and a run view holds one run
-    over = [o for o in overrides if not o.startswith("run=")] + ["run=profile", f"train.updates={done + 4}"]
+    over = [o for o in overrides if not o.startswith("run=")] + ["run=profile", f"train.updates={done + 5}"]
     sess = train.session(config.compose(over))
     train.ensure_policy(sess, done + 1)  # warm: models resident, graphs captured
     sess.store.flush()
@@ -269,6 +269,17 @@ def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
     cp.disable()
     plain: dict = {}
     step(sess, k + 2, plain)
+    # each phase again under a profiler of its own: which kernels each phase spends its time in
+    by_phase, phase_walls = {}, {}
+    for name, fn in (("rollout", rollout.run), ("score", score.run), ("update", update.run)):
+        with profile(activities=acts) as pp:
+            t = time.perf_counter()
+            fn(sess, k + 3)
+            phase_walls[name] = round(time.perf_counter() - t, 4)
+        by_phase[name] = pp.key_averages().table(sort_by="self_cuda_time_total" if DEVICE == "cuda" else
+                                                 "self_cpu_time_total", row_limit=22)
+        del pp
+    sess.store.flush()
     # the rollout split: prefill (+ two tokens) against the whole response, same prompts and engine
     ro = sess.table("rollout", sess.chain.rollout(k + 2), "rollout.parquet")
     ids, split = ro.column("prompt_ids").to_pylist(), {}
@@ -294,11 +305,13 @@ def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
         f"step {k + 1} under cProfile: " + json.dumps(cp_walls) + "\n" +
         f"step {k} under torch.profiler: " + json.dumps(walls) + "\n\n" +
         (ka.table(sort_by="self_cuda_time_total", row_limit=25) + "\n\n" if DEVICE == "cuda" else "") +
-        ka.table(sort_by="cpu_time_total", row_limit=40) + "\n\n" + buf.getvalue())
+        ka.table(sort_by="cpu_time_total", row_limit=40) + "\n\n" +
+        "".join(f"step {k + 3}, {name} alone under torch.profiler ({phase_walls[name]} s):\n{t}\n\n"
+                for name, t in by_phase.items()) + buf.getvalue())
     del sess, prof
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
-    return {**walls, "timed_step": plain}
+    return {**walls, "timed_step": plain, "phases_alone": phase_walls}
 
 
 # ---------------------------------------------------------------- peers
@@ -496,6 +509,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--work", type=Path, default=None, help="a fresh (absent or empty) working dir")
     ap.add_argument("--profile", type=Path, default=None, help="write a torch.profiler table of one step to this file")
+    ap.add_argument("--profile-b", type=Path, default=None, help="the same for workload b's default (~80 s more)")
     ap.add_argument("--date", default=dt.date.today().isoformat(), help="date in the result's name")
     ap.add_argument("--smoke", action="store_true", help="the driver end to end on CPU with tiny models (no TRL)")
     ap.add_argument("--deadline-s", type=float, default=float("inf"),
@@ -575,11 +589,11 @@ def main(argv=None) -> int:
         def seeded_then_ours() -> dict:
             seed_b.update(seed_store(WORKLOAD_B, wb, tok))
             result["workloads"]["b"]["materialize_random_weights_s"] = seed_b["materialize_random_weights_s"]
-            return ours_pipeline(WORKLOAD_B, wb, tok, py, None, B_DEFAULT)
+            return ours_pipeline(WORKLOAD_B, wb, tok, py, args.profile_b, B_DEFAULT)
 
         # ~130 s: the random weights' ~40 s come before the run's ~90 (2026-12-04: with the seed outside
         # the deadline's check, it started with 5 s left and ran the call past its limit)
-        systems_b.append(run_system(seeded_then_ours, "opd-stages", deadline, 130))
+        systems_b.append(run_system(seeded_then_ours, "opd-stages", deadline, 130 + (80 if args.profile_b else 0)))
         result["workloads"]["b"]["roofline"] = roofline.table(WORKLOAD_B, systems_b[0], result["peaks"])
         save()
         for arm in ours_b if seed_b else ():  # variants on the same seed

@@ -30,7 +30,7 @@ ATTN_KV_STAGES = 3  # blocks of the cache in flight per program (Triton's softwa
 # its softmax's running max, sum and weighted sum of V (fp32), and `_attention_combine` rescales and
 # adds a row's splits in a fixed order (deterministic). A row whose live positions fit one split
 # computes the bytes of the unsplit kernel (the combine divides the same sums).
-ATTN_KV_SPLIT = 128
+ATTN_KV_SPLIT = 0
 
 
 if triton is not None:

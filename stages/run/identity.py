@@ -379,7 +379,7 @@ def runtime_slice(cfg, device_type: str, dtype, forward_length: Callable[[], int
     it stay what they were). `graphed`: the roles whose forwards replay CUDA graphs (phases.graphed_roles)."""
     s = {"device": device_type, "dtype": str(dtype).removeprefix("torch.")}
     if compiled_decode(cfg, device_type):  # the fused decode kernels (stages/engine/kernels.py), attention
-        s["decode"] = "project+rope_attention-split"  # the cache in blocks; past 16 rows in splits, combined
+        s["decode"] = "project+rope_attention-blocks"  # at any batch size reading the cache in blocks
     if device_type == "cuda":
         s["draw"] = "kernel"  # plain sampling's draw as stages/engine/draw.py's kernels
         # teacher-forced forwards in the padded layout (stages/engine/graphs.py), replayed from graphs for

@@ -120,7 +120,7 @@ def test_compiled_decode_joins_cuda_identity_only(work, monkeypatch):
     assert on.chain.rollout(1) == off.chain.rollout(1) and on.chain.update(2) == off.chain.update(2)
     monkeypatch.setattr(on, "device", torch.device("cuda"))
     compiled = lambda: identity.compiled_decode(on.cfg, on.device.type)  # noqa: E731  (what Resident asks)
-    assert compiled() and on.runtime_slice()["decode"] == "project+rope_attention-split"
+    assert compiled() and on.runtime_slice()["decode"] == "project+rope_attention-blocks"
     monkeypatch.setattr(on.cfg.rollout, "cuda_graphs", False)
     assert not compiled() and "decode" not in on.runtime_slice()  # eager CUDA: no compiled step
 

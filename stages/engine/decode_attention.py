@@ -24,12 +24,12 @@ ATTN_TILE = 16384
 ATTN_KV_ROWS = 16
 ATTN_KV_BLOCK = 64
 ATTN_KV_STAGES = 3  # blocks of the cache in flight per program (Triton's software pipelining of the loop)
-# Cache positions per program of the per-kv-head kernel (0: one program reads a row's whole cache).
-# At workload b one program per row and kv head looped over ~6 blocks one after another and read the
-# cache at a fifth of the memory's rate; split, each program reads ATTN_KV_SPLIT positions and writes
-# its softmax's running max, sum and weighted sum of V (fp32), and `_attention_combine` rescales and
-# adds a row's splits in a fixed order (deterministic). A row whose live positions fit one split
-# computes the bytes of the unsplit kernel (the combine divides the same sums).
+# Cache positions per program of the per-kv-head kernel; 0: one program reads a row's whole cache.
+# Split, each program reads ATTN_KV_SPLIT positions and writes its softmax's running max, sum and
+# weighted sum of V (fp32), and `_attention_combine` rescales and adds a row's splits in a fixed order
+# (deterministic; a row whose live positions fit one split gets the unsplit kernel's bytes). At
+# workload b's 640-position cache no split was faster (docs/performance.md, "Evidence for the
+# constants"), so it is off; `benchmarks/decode_kernels.py` ':kN' measures it for longer caches.
 ATTN_KV_SPLIT = 0
 
 

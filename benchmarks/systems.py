@@ -228,10 +228,11 @@ def pieces(startup_s: dict) -> str:
 
 
 def profile_steps(overrides: list[str], done: int, out_file: Path) -> dict:
-    """Where the time of a step goes, over three more steps after an unprofiled warm-up step:
+    """Where the time of a step goes, over four more steps after an unprofiled warm-up step:
     one under torch.profiler (device kernels and host ops), one under cProfile (the host's Python:
     what the main thread waits in outside the phases), one timed call by call as the train loop
-    runs it. Writes the tables to `out_file`; returns the torch-profiled stages' wall times."""
+    runs it, and one whose phases each run under a profiler of their own (kernels per phase).
+    Writes the tables to `out_file`; returns the torch-profiled stages' wall times."""
     import cProfile
     import io
     import pstats

@@ -27,8 +27,9 @@ ATTN_KV_STAGES = 3  # blocks of the cache in flight per program (Triton's softwa
 # Cache positions per program of the per-kv-head kernel; 0: one program reads a row's whole cache.
 # Split, each program reads ATTN_KV_SPLIT positions and writes its softmax's running max, sum and
 # weighted sum of V (fp32), and `_attention_combine` rescales and adds a row's splits in a fixed order
-# (deterministic; a row whose live positions fit one split gets the unsplit kernel's bytes). At
-# workload b's 640-position cache no split was faster (docs/performance.md, "Evidence for the
+# (deterministic; a row whose live positions fit one split gets the unsplit kernel's bytes; S, the
+# splits per row, is a compile-time constant: each cache length compiles its own). At workload b's
+# 640-position cache no split was faster beyond noise (docs/performance.md, "Evidence for the
 # constants"), so it is off; `benchmarks/decode_kernels.py` ':kN' measures it for longer caches.
 ATTN_KV_SPLIT = 0
 
@@ -237,7 +238,8 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_no
     p = pdl(qkv.device)
     if B > ATTN_KV_ROWS:  # a program per kv head (and split of the cache), tensor-core products
         BL = min(max(16, triton.next_power_of_2(L)), ATTN_KV_BLOCK)
-        split = ATTN_KV_SPLIT if 0 < ATTN_KV_SPLIT < L else 0  # (a cache of one split: the unsplit kernel)
+        split = ATTN_KV_SPLIT if 0 < ATTN_KV_SPLIT < L else 0  # (>= L: unsplit; rounded up to whole blocks below,
+        # a split can still cover the cache, one split and the combine: right, one launch more)
         split = max(split, BL) // BL * BL if split else 0  # whole blocks per split
         S = triton.cdiv(L, split) if split else 1
         pm = torch.empty((B, n_heads, S) if split else (1,), dtype=torch.float32, device=qkv.device)

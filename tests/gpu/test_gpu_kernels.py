@@ -48,8 +48,9 @@ def test_rope_attention_bf16_writes_the_cache_and_is_within_one_ulp_of_sdpa():
 
 def test_split_rope_attention_bf16_within_one_ulp_of_sdpa_and_deterministic():
     # the per-kv-head kernel with its cache split (decode_attention.ATTN_KV_SPLIT): Qwen3's heads over
-    # workload b's cache of 640 in splits of 128 (the default) and of 64, the new token early (one
-    # split live) and late; 16-position blocks in splits of 32 with row 1's first split masked whole
+    # workload b's cache of 640 in splits of 128 and of 64, the new token early (one split live) and
+    # late; 16-position blocks in splits of 32 (row 1's first block masked whole; a split masked whole
+    # is the interpreter's case, tests/engine/test_kernels.py)
     for seed, (H, KV, D, L, q, blk, split, slot) in enumerate([
             (16, 8, 128, 640, True, None, 128, None), (16, 8, 128, 640, True, None, 64, None),
             (16, 8, 128, 640, True, None, 128, 100), (6, 2, 64, 96, False, 16, 32, None)]):

@@ -238,7 +238,7 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_no
     p = pdl(qkv.device)
     if B > ATTN_KV_ROWS:  # a program per kv head (and split of the cache), tensor-core products
         BL = min(max(16, triton.next_power_of_2(L)), ATTN_KV_BLOCK)
-        split = ATTN_KV_SPLIT if 0 < ATTN_KV_SPLIT < L else 0  # (>= L: unsplit; rounded up to whole blocks below,
+        split = ATTN_KV_SPLIT if 0 < ATTN_KV_SPLIT < L else 0  # (>= L: unsplit; rounded to whole blocks below,
         # a split can still cover the cache, one split and the combine: right, one launch more)
         split = max(split, BL) // BL * BL if split else 0  # whole blocks per split
         S = triton.cdiv(L, split) if split else 1

@@ -12,10 +12,11 @@ replayed, per variant of stages/engine/decoder.py:
              elements (decode_attention.ATTN_TILE); kernels:kv = rope_attention with a program per kv head at
              any batch (decode_attention.ATTN_KV_ROWS 0), kernels:head = per query head at any batch;
              kernels:b32 = 32 positions per block of the per-kv-head kernel (decode_attention.ATTN_KV_BLOCK),
-             kernels:p2 = its blocks in flight (decode_attention.ATTN_KV_STAGES), kernels:k64 = its cache
-             positions per program (decode_attention.ATTN_KV_SPLIT; k0: one program reads a row's whole cache). (kernels:tile, every input row loaded up front as one tile,
+             kernels:p2 = its blocks in flight (decode_attention.ATTN_KV_STAGES). (kernels:tile, every input row loaded up front as one tile,
              lost to the row loop at 438257d, 1.240 against 1.207 ms, and is gone; kernels:grouped, one
-             rope_attention program per kv head, lost at 7abd5a7, 1.019 against 0.909, and is gone)
+             rope_attention program per kv head, lost at 7abd5a7, 1.019 against 0.909, and is gone; kernels:kN, the
+             per-kv-head kernel reading each row's cache in splits of N positions combined by a second kernel,
+             lost at 3f0c588 at workload b, 2.672 (N 128), 3.052 (64), 2.581 (256) against 2.584 ms, and is gone)
   fused      decoder.fused_layer through torch.compile (the engine's default at dc11211, and past
              kernels.MAX_ROWS rows, workload b, today: there it is decoder.layer with rope_attention
              for the attention, around cuBLAS's matmuls): the projections
@@ -59,7 +60,7 @@ from stages.weights import models
 
 SLAB, WARPS, ATTENTION, PDL, DRAW = kernels.SLAB, kernels.WARPS, decode_attention.ATTENTION, kernels.PDL, draw.ON
 ATTN_TILE, ATTN_KV_ROWS, ATTN_KV_BLOCK = decode_attention.ATTN_TILE, decode_attention.ATTN_KV_ROWS, decode_attention.ATTN_KV_BLOCK
-ATTN_KV_STAGES, ATTN_KV_SPLIT = decode_attention.ATTN_KV_STAGES, decode_attention.ATTN_KV_SPLIT  # (fused:...
+ATTN_KV_STAGES = decode_attention.ATTN_KV_STAGES  # (fused:...
 # variants change them for their capture; put back after)
 
 SHAPES = {  # workload a (the seed) and b of benchmarks/systems.py: batch, prompt, new tokens
@@ -75,7 +76,7 @@ def set_knobs(opts: list[str]) -> None:
     kernels.SLAB, kernels.WARPS, kernels.PDL = num("s", SLAB), num("w", WARPS), PDL and "nopdl" not in opts
     decode_attention.ATTENTION = ATTENTION and "sdpa" not in opts
     decode_attention.ATTN_TILE, decode_attention.ATTN_KV_BLOCK = num("t", ATTN_TILE), num("b", ATTN_KV_BLOCK)
-    decode_attention.ATTN_KV_STAGES, decode_attention.ATTN_KV_SPLIT = num("p", ATTN_KV_STAGES), num("k", ATTN_KV_SPLIT)
+    decode_attention.ATTN_KV_STAGES = num("p", ATTN_KV_STAGES)
     decode_attention.ATTN_KV_ROWS = 0 if "kv" in opts else 1 << 30 if "head" in opts else ATTN_KV_ROWS
     draw.ON = DRAW and "nodraw" not in opts
 

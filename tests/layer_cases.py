@@ -47,7 +47,7 @@ def compare(device: str, dtype, B: int = 3, H: int = 4, KV: int = 2, D: int = 16
 
 def attention(device: str, dtype, B: int = 3, H: int = 6, KV: int = 2, D: int = 16, L: int = 40,
               qwen3: bool = False, seed: int = 0, block: int | None = None, per_kv: bool = False,
-              slot: int | None = None, split: int = 0) -> dict:
+              slot: int | None = None) -> dict:
     """decode_attention.rope_attention against kernels.rope_cache (the same per-head norm and rotary code,
     so the same q and the same cache writes, which must be equal) followed by SDPA computed in fp32
     and rounded once: the output is a convex combination of V's rows, and both sides compute it in
@@ -57,8 +57,7 @@ def attention(device: str, dtype, B: int = 3, H: int = 6, KV: int = 2, D: int = 
     ...). block: cache positions per rope_attention block (decode_attention.ATTN_TILE = block * D,
     ATTN_KV_BLOCK = block), so that it loops over several, the online softmax across them, one of
     them masked whole for row 1. per_kv: the kernel with a program per kv head (tensor-core products,
-    P rounded to the compute dtype for P V). split: its cache positions per program
-    (decode_attention.ATTN_KV_SPLIT; 0 unsplit), the splits' partial sums combined in fp32."""
+    P rounded to the compute dtype for P V)."""
     from stages.engine import decode_attention, kernels
 
     g = torch.Generator().manual_seed(seed)
@@ -76,24 +75,20 @@ def attention(device: str, dtype, B: int = 3, H: int = 6, KV: int = 2, D: int = 
     mask = decoder.additive_mask(keep[:, None, None], dtype)  # [B, 1, 1, L]
     kv_ref, kv_got = kv.clone(), kv.clone()
     q = kernels.rope_cache(qkv, cos, sin, *norms, kv_ref, slots, H, KV, 1e-6)  # [B, H, 1, D]
-    knobs = (decode_attention.ATTN_TILE, decode_attention.ATTN_KV_BLOCK, decode_attention.ATTN_KV_ROWS,
-             decode_attention.ATTN_KV_SPLIT)
+    knobs = decode_attention.ATTN_TILE, decode_attention.ATTN_KV_BLOCK, decode_attention.ATTN_KV_ROWS
     if block:
         decode_attention.ATTN_TILE, decode_attention.ATTN_KV_BLOCK = block * D, block
     decode_attention.ATTN_KV_ROWS = 0 if per_kv else B
-    decode_attention.ATTN_KV_SPLIT = split
     try:
         got = decode_attention.rope_attention(qkv, cos, sin, *norms, kv_got, slots, mask, H, KV, 1e-6).float()  # [B, H*D]
     finally:
-        (decode_attention.ATTN_TILE, decode_attention.ATTN_KV_BLOCK, decode_attention.ATTN_KV_ROWS,
-         decode_attention.ATTN_KV_SPLIT) = knobs
+        decode_attention.ATTN_TILE, decode_attention.ATTN_KV_BLOCK, decode_attention.ATTN_KV_ROWS = knobs
     ref = F.scaled_dot_product_attention(q.float(), kv_ref[0].float(), kv_ref[1].float(), attn_mask=mask.float(),
                                          enable_gqa=KV != H).to(dtype).float().reshape(B, H * D)
     return {"diff": float((got - ref).abs().max()), "bound": torch.finfo(dtype).eps * float(kv_ref[1].float().abs().max()),
             "share": float((got != ref).float().mean()), "cache_equal": bool(torch.equal(kv_ref, kv_got)),
             "cache": float((kv_ref.float() - kv_got.float()).abs().max() / kv_ref.float().abs().max()),
-            "eps": torch.finfo(dtype).eps, "qwen3": qwen3, "block": block, "per_kv": per_kv, "split": split,
-            "out": got.flatten().tolist()}
+            "eps": torch.finfo(dtype).eps, "qwen3": qwen3, "block": block, "per_kv": per_kv}
 
 
 def attention_ok(row: dict) -> bool:

@@ -24,14 +24,6 @@ ATTN_TILE = 16384
 ATTN_KV_ROWS = 16
 ATTN_KV_BLOCK = 64
 ATTN_KV_STAGES = 3  # blocks of the cache in flight per program (Triton's software pipelining of the loop)
-# Cache positions per program of the per-kv-head kernel; 0: one program reads a row's whole cache.
-# Split, each program reads ATTN_KV_SPLIT positions and writes its softmax's running max, sum and
-# weighted sum of V (fp32), and `_attention_combine` rescales and adds a row's splits in a fixed order
-# (deterministic; a row whose live positions fit one split gets the unsplit kernel's bytes; S, the
-# splits per row, is a compile-time constant: each cache length compiles its own). At workload b's
-# 640-position cache no split was faster beyond noise (docs/performance.md, "Evidence for the
-# constants"), so it is off; `benchmarks/decode_kernels.py` ':kN' measures it for longer caches.
-ATTN_KV_SPLIT = 0
 
 
 if triton is not None:
@@ -104,18 +96,15 @@ if triton is not None:
 
     @triton.jit
     def _rope_attention_kv(QKV, COS, SIN, QN, KN, KV, SLOT, MASK, O, scale, eps, L, s_qkv, s_cos, s_kvc, s_kvb,
-                           s_kvh, s_kvl, s_mb, PM, PD, PA, H: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
-                           BL: tl.constexpr, GP: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-                           SPLIT: tl.constexpr, S: tl.constexpr):
+                           s_kvh, s_kvl, s_mb, H: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+                           BL: tl.constexpr, GP: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
         # program (b, g): kv head g of row b and its G = H // NKV query heads, the rows of a [GP, D]
         # tile (G padded to tl.dot's 16): what _rope_attention does, with the scores and the weighted
         # sum of V as tensor-core products, so each kv head's cache is read once (many rows: the
         # cache, not the launch, is the cost). Q K^T from the compute dtype into fp32, P rounded to
         # the compute dtype for P V (as flash attention rounds it); the new position's score and
-        # value from registers, outside the products. SPLIT > 0: program (b, g, sp) reads positions
-        # [sp * SPLIT, (sp + 1) * SPLIT) up to the slot and writes its partial sums into PM, PD [B, H, S]
-        # and PA [B, H, S, D] (fp32) for _attention_combine; only split 0 writes the cache
-        b, g, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        # value from registers, outside the products
+        b, g = tl.program_id(0), tl.program_id(1)
         G: tl.constexpr = H // NKV
         d, rl, rd, rg = tl.arange(0, D // 2), tl.arange(0, BL), tl.arange(0, D), tl.arange(0, GP)
         slot = tl.load(SLOT)  # (the loads that need nothing from the kernel before, as in _rope_attention;
@@ -129,12 +118,11 @@ if triton is not None:
         src = QKV + b * s_qkv
         k1, k2 = _rotate(tl.load(src + (H + g) * D + d), tl.load(src + (H + g) * D + D // 2 + d), KN, c, s, d, eps, D, NORM)
         v1, v2 = tl.load(src + (H + NKV + g) * D + d), tl.load(src + (H + NKV + g) * D + D // 2 + d)
-        if sp == 0:
-            dst = KV + b * s_kvb + g * s_kvh + slot * s_kvl
-            tl.store(dst + d, k1)
-            tl.store(dst + D // 2 + d, k2)
-            tl.store(dst + s_kvc + d, v1)
-            tl.store(dst + s_kvc + D // 2 + d, v2)
+        dst = KV + b * s_kvb + g * s_kvh + slot * s_kvl
+        tl.store(dst + d, k1)
+        tl.store(dst + D // 2 + d, k2)
+        tl.store(dst + s_kvc + d, v1)
+        tl.store(dst + s_kvc + D // 2 + d, v2)
         k_new = tl.reshape(tl.permute(tl.join(k1, k2), (1, 0)), (D,))[None, :]  # [1, D]
         v_new = tl.reshape(tl.permute(tl.join(v1, v2), (1, 0)), (D,))[None, :]
         qm = (rg < G)[:, None]  # [GP, 1]
@@ -146,17 +134,12 @@ if triton is not None:
         m = tl.full((GP,), float("-inf"), tl.float32)
         den = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, D), tl.float32)
-        lo = sp * SPLIT
-        if SPLIT > 0:
-            hi = tl.minimum(lo + SPLIT, n)
-        else:
-            hi = n
-        for start in range(lo, hi, BL):  # (the loads feed the products directly, so that Triton pipelines them)
+        for start in range(0, n, BL):  # (the loads feed the products directly, so that Triton pipelines them)
             pos = start + rl
-            old = (pos < hi) & (pos != slot)
+            old = (pos < n) & (pos != slot)
             k = tl.load(base + pos[:, None] * s_kvl, mask=old[:, None], other=0.0)  # [BL, D]
             v = tl.load(base + s_kvc + pos[:, None] * s_kvl, mask=old[:, None], other=0.0)
-            bias = tl.load(MASK + b * s_mb + pos, mask=pos < hi, other=float("-inf")).to(tl.float32)
+            bias = tl.load(MASK + b * s_mb + pos, mask=pos < n, other=float("-inf")).to(tl.float32)
             new = (pos == slot)[None, :]  # [1, BL]
             sc = tl.where(new, s_new[:, None], tl.dot(q, tl.trans(k)) * scale) + bias[None, :]  # [GP, BL] fp32
             m_new = tl.maximum(m, tl.max(sc, 1))
@@ -167,38 +150,8 @@ if triton is not None:
             pv = tl.dot(p.to(v.dtype), v) + tl.sum(tl.where(new, p, 0.0), 1)[:, None] * v_new.to(tl.float32)
             acc = acc * alpha[:, None] + pv
             m = m_new
-        if SPLIT == 0:
-            tl.store(O + b * H * D + (g * G + rg)[:, None] * D + rd[None, :],
-                     (acc / den[:, None]).to(O.dtype.element_ty), mask=qm)
-        else:
-            if lo < n:  # (a split past the slot reads nothing; the combine reads the splits up to it)
-                at = (b * H + g * G + rg) * S + sp  # [GP] index into [B, H, S]
-                tl.store(PM + at, m, mask=rg < G)
-                tl.store(PD + at, den, mask=rg < G)
-                tl.store(PA + at[:, None] * D + rd[None, :], acc, mask=qm)
-
-
-    @triton.jit
-    def _attention_combine(PM, PD, PA, SLOT, O, L, H: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-                           S: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
-        # program (b, h): query head h of row b from its splits' partial sums (PM, PD [B, H, S], PA
-        # [B, H, S, D]), the splits up to the slot's, in order: each rescaled to the largest running
-        # max (exp(m - max): 1 for that split, 0 for a split its row masks whole), then summed, and the
-        # weighted sum of V divided by the sum of the weights, rounded once. One split: acc / den, the
-        # bytes of the unsplit kernel
-        b, h = tl.program_id(0), tl.program_id(1)
-        rs, rd = tl.arange(0, SP), tl.arange(0, D)
-        ns = tl.cdiv(tl.minimum(tl.load(SLOT) + 1, L), SPLIT)  # splits with positions up to the slot
-        live = rs < ns
-        if PDL:  # the partial sums come from the kernel before
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        at = (b * H + h) * S + rs  # [SP]
-        m = tl.load(PM + at, mask=live, other=float("-inf"))
-        w = tl.where(live, tl.exp(m - tl.max(m, 0)), 0.0)  # [SP] (the slot's split attends its new position: max finite)
-        den = tl.sum(w * tl.load(PD + at, mask=live, other=0.0), 0)
-        acc = tl.sum(w[:, None] * tl.load(PA + at[:, None] * D + rd[None, :], mask=live[:, None], other=0.0), 0)  # [D]
-        tl.store(O + (b * H + h) * D + rd, (acc / den).to(O.dtype.element_ty))
+        tl.store(O + b * H * D + (g * G + rg)[:, None] * D + rd[None, :], (acc / den[:, None]).to(O.dtype.element_ty),
+                 mask=qm)
 
 
 def usable(T: int, mask: torch.Tensor, dtype, device, D: int) -> bool:
@@ -236,23 +189,12 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_no
             out, D ** -0.5, eps, L, qkv.stride(0), cos.stride(0), kv.stride(0), kv.stride(1), kv.stride(2),
             kv.stride(3), m.stride(0))
     p = pdl(qkv.device)
-    if B > ATTN_KV_ROWS:  # a program per kv head (and split of the cache), tensor-core products
+    if B > ATTN_KV_ROWS:  # a program per kv head, tensor-core products
         BL = min(max(16, triton.next_power_of_2(L)), ATTN_KV_BLOCK)
-        split = ATTN_KV_SPLIT if 0 < ATTN_KV_SPLIT < L else 0  # (>= L: unsplit; rounded to whole blocks below,
-        # a split can still cover the cache, one split and the combine: right, one launch more)
-        split = max(split, BL) // BL * BL if split else 0  # whole blocks per split
-        S = triton.cdiv(L, split) if split else 1
-        pm = torch.empty((B, n_heads, S) if split else (1,), dtype=torch.float32, device=qkv.device)
-        pd = torch.empty_like(pm)
-        pa = torch.empty((B, n_heads, S, D) if split else (1,), dtype=torch.float32, device=qkv.device)
-        _rope_attention_kv[(B, n_kv, S)](*args, pm, pd, pa, H=n_heads, NKV=n_kv, D=D, BL=BL,
-                                         GP=max(16, triton.next_power_of_2(n_heads // n_kv)), NORM=q_norm is not None,
-                                         PDL=p, SPLIT=split, S=S, num_warps=4, num_stages=ATTN_KV_STAGES,
-                                         enable_fp_fusion=FP_FUSION, launch_pdl=p)
-        if split:
-            _attention_combine[(B, n_heads)](pm, pd, pa, slots, out, L, H=n_heads, D=D, SPLIT=split, S=S,
-                                             SP=max(2, triton.next_power_of_2(S)), PDL=p, num_warps=1,
-                                             enable_fp_fusion=FP_FUSION, launch_pdl=p)
+        _rope_attention_kv[(B, n_kv)](*args, H=n_heads, NKV=n_kv, D=D, BL=BL,
+                                      GP=max(16, triton.next_power_of_2(n_heads // n_kv)), NORM=q_norm is not None,
+                                      PDL=p, num_warps=4, num_stages=ATTN_KV_STAGES, enable_fp_fusion=FP_FUSION,
+                                      launch_pdl=p)
         return out
     BL = min(triton.next_power_of_2(L), max(16, ATTN_TILE // D))  # cache positions per block
     _rope_attention[(B, n_heads)](*args, H=n_heads, NKV=n_kv, D=D, BL=BL, NORM=q_norm is not None, PDL=p,

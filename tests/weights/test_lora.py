@@ -57,3 +57,47 @@ def test_an_embeddings_lora_is_moved_by_peft_and_the_rest_at_once():
     assert same_adapters(ours, theirs) == 2 + 2 * ours.config.num_hidden_layers
     emb = ours.get_base_model().model.embed_tokens.lora_embedding_A["default"]
     assert emb.dtype == torch.float32 and torch.equal(emb, emb.to(torch.bfloat16).float())
+
+
+def _step(model, ids: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Hidden states and every LoRA gradient of one forward/backward against the fixed cotangent g."""
+    model.zero_grad(set_to_none=True)
+    h = model.get_base_model().model(input_ids=ids).last_hidden_state
+    h.backward(g)
+    return h.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype,alpha", [(torch.bfloat16, 8), (torch.bfloat16, 4), (torch.float32, 8),
+                                         (torch.bfloat16, 6)])
+def test_one_pass_tails_give_peft_bytes_forward_and_backward(dtype, alpha, monkeypatch):
+    """lora.one_pass_tails against PEFT's own forward, same weights and inputs: the hidden states and every
+    LoRA gradient equal to the bit, for scales 2 and 1 (exact: the one-pass path) and 1.5 (PEFT's path
+    kept), with B trained away from zero so that the LoRA term is not nothing."""
+    lcfg = LoraCfg(r=4, alpha=alpha)
+    model = lora.add(tiny(seed=2).to(dtype), lcfg, seed=7)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (3, 11), generator=gen)
+    g = torch.randn(3, 11, model.config.hidden_size, generator=gen).to(dtype)
+    ran = []
+    tail = lora._Tail.forward
+    monkeypatch.setattr(lora._Tail, "forward", staticmethod(lambda *a: ran.append(1) or tail(*a)))
+    fast = _step(model, ids, g)
+    assert len(ran) == (0 if alpha == 6 else 7 * model.config.num_hidden_layers)  # (1.5: PEFT's path)
+    changed = [m for m in model.modules() if "forward" in vars(m)]
+    assert len(changed) == 7 * model.config.num_hidden_layers  # every adapted projection
+    for m in changed:
+        del m.forward  # PEFT's forward again
+    slow = _step(model, ids, g)
+    assert torch.equal(_bits(fast[0]), _bits(slow[0])) and fast[0].abs().sum() > 0
+    assert fast[1].keys() == slow[1].keys() and len(fast[1]) == 2 * len(changed)
+    for n in fast[1]:
+        assert torch.equal(_bits(fast[1][n]), _bits(slow[1][n])), n
+    assert all(fast[1][n].abs().sum() > 0 for n in fast[1] if "lora_A" in n)

@@ -42,7 +42,7 @@
 # yet under the deadline's check, ran the call past 600 s).
 # The device copy's .git is not refreshed with the work tree (2026-12-01: `git rev-parse HEAD` there
 # printed the session's first commit in every call): name the commit that ran from here, not from it.
-# At most 8 files come back from $OUT: env.txt, gpu-tests.log, gpu-replay.json, systems.log,
+# At most 8 files come back from $OUT: env.txt, gpu-tests-part{1,2}.log (gpu-tests.log with OPD_TESTS), gpu-replay.json, systems.log,
 # profile.txt, systems/<date>-<gpu>-systems.{json,md}; `first`: env.txt, first.log,
 # first/first-update.{json,md,pyspy.gz} (133 s on a fresh machine, 2026-12-02).
 set -uo pipefail
@@ -97,12 +97,31 @@ if [ "$what" = sdpa ]; then
   python3 benchmarks/sdpa_first_call.py --out "$out/sdpa" 2>&1 | tee "$out/sdpa.log" | tail -20
   rc=${PIPESTATUS[0]}
 fi
+# The GPU tests in two halves run side by side (each alone took ~385 and ~300 s on an H100; the GPU and
+# the 16 cores hold both): the files that build and replay whole runs, and the rest.
+heavy="tests/test_placement.py tests/gpu/test_gpu_replay.py tests/gpu/test_gpu_identity.py tests/gpu/test_gpu_cross.py
+  tests/gpu/test_gpu_warmup.py tests/gpu/test_gpu_families.py tests/gpu/test_gpu_optimizer.py tests/gpu/test_gpu_lora.py
+  tests/gpu/test_gpu_offpolicy.py"
+gpu_tests() {  # $1: log name, then pytest paths/options
+  local log=$1; shift
+  # shellcheck disable=SC2086
+  OPD_GPU_RECORD="$out/gpu-replay.json" python3 -m pytest -q -m gpu -p no:cacheprovider "$@" \
+    ${OPD_TESTS_K:+-k "$OPD_TESTS_K"} >"$out/$log" 2>&1
+}
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  # shellcheck disable=SC2086  # OPD_TESTS: pytest paths/options (a subset when one call cannot hold them all)
-  OPD_GPU_RECORD="$out/gpu-replay.json" python3 -m pytest -q -m gpu -p no:cacheprovider ${OPD_TESTS:-tests} \
-    ${OPD_TESTS_K:+-k "$OPD_TESTS_K"} 2>&1 \
-    | tee "$out/gpu-tests.log" | tail -25
-  rc=${PIPESTATUS[0]}
+  if [ -n "${OPD_TESTS:-}" ]; then  # pytest paths/options: a subset, in one process
+    # shellcheck disable=SC2086
+    gpu_tests gpu-tests.log $OPD_TESTS; rc=$?
+    tail -25 "$out/gpu-tests.log"
+  else
+    # shellcheck disable=SC2086
+    gpu_tests gpu-tests-part1.log $heavy & p1=$!
+    # shellcheck disable=SC2086
+    gpu_tests gpu-tests-part2.log tests $(printf -- '--ignore=%s ' $heavy) & p2=$!
+    wait $p1; r1=$?; wait $p2; r2=$?
+    rc=$(( r1 || r2 ))
+    tail -8 "$out/gpu-tests-part1.log"; tail -8 "$out/gpu-tests-part2.log"
+  fi
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   left=$(( ${OPD_DEADLINE_S:-520} - SECONDS ))

@@ -6,7 +6,8 @@ It runs the functional decoder of `decoder.py` over weights with the LoRA merged
 version: a merged copy the engine keeps, or (memory.merge_in_place) the student's own base weights,
 the LoRA merged into them for each rollout and the pristine bytes copied back from host memory
 after it (`decoder.fuse_projections`). An NF4 base (QLoRA) is sampled from a dense copy of its weights, LoRA merged: the
-engine's speed for the cost of one dense copy of the student. An int8 base (LLM.int8 quantizes the
+engine's speed for the cost of one dense copy of the student (with `dense_copy=false` through `hf_generate`
+instead: the least memory). An int8 base (LLM.int8 quantizes the
 activations too, so dequantized weights would not sample what its forward computes) or an
 unsupported architecture uses `hf_generate` (transformers forward, LoRA unmerged) with a one-line
 warning.
@@ -31,6 +32,7 @@ from ..weights.state import state
 from .lmhead import to_host as _to_host
 
 SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
+QUANTIZED_SAMPLING = "dense_copy=false: transformers' forward over the 4-bit weights, LoRA unmerged"
 
 
 @dataclass
@@ -52,6 +54,8 @@ def supported(model) -> str | None:
     if any(decoder.bias_of(p) is not None for layer in base.model.layers
            for p in (layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)):
         return "a bias on o_proj or the MLP projections (attention_bias / mlp_bias): the fast path adds q/k/v biases only"
+    if state(base).quantized_sampling:
+        return QUANTIZED_SAMPLING
     if (getattr(base, "is_quantized", False) or getattr(base, "hf_quantizer", None) is not None) and \
             not all(decoder.is_nf4(m) for n, m in base.model.layers.named_modules()
                     if isinstance(m, torch.nn.Linear) and "lora_" not in n):
@@ -381,6 +385,7 @@ def make(model, use_graphs: bool, compile: bool = False, before_capture=None):
     """Engine for `model`, or None (with a one-line warning) when the fast path cannot run it."""
     why = supported(model)
     if why:
-        print(f"warning: rollout uses the transformers fallback: {why}", file=sys.stderr)
+        if why != QUANTIZED_SAMPLING:  # (the user's choice needs no warning)
+            print(f"warning: rollout uses the transformers fallback: {why}", file=sys.stderr)
         return None
     return Engine(model, use_graphs, compile, before_capture)

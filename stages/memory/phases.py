@@ -92,8 +92,8 @@ class Ctx:
     @property
     def engine(self) -> bool:
         """The fast rollout engine runs (merged LoRA copy, static KV cache; an NF4 base from a dense copy)
-        or the transformers fallback (int8)."""
-        return self.S.model_type in ENGINE_TYPES and self.cfg.student.quant in ("none", "nf4")
+        or the transformers fallback (int8; NF4 with dense_copy=false)."""
+        return engine_runs(self.S, self.cfg.student)
 
 
 def in_place(x: Ctx) -> bool:
@@ -137,10 +137,10 @@ def _bucket(n: int) -> int:
     return -(-n // FORWARD_BUCKET) * FORWARD_BUCKET
 
 
-def engine_runs(sh: Shape, quant: str) -> bool:
+def engine_runs(sh: Shape, mcfg) -> bool:
     """The fast engine samples from this model (stages/engine/sampler.py `supported`), else the
-    transformers fallback (int8, other architectures)."""
-    return sh.model_type in ENGINE_TYPES and quant in ("none", "nf4")
+    transformers fallback (int8, NF4 with dense_copy=false, other architectures)."""
+    return sh.model_type in ENGINE_TYPES and (mcfg.quant == "none" or mcfg.quant == "nf4" and getattr(mcfg, "dense_copy", True))
 
 
 def decode_bytes(sh: Shape, B: int, Pb: int, N: int, s: int, top_p: float = 1.0) -> dict:
@@ -289,7 +289,7 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     # policy 0 and policy K, one after another, then the held-out KL of each
     e = eval_workload(x)
     te, ne, ce = e["tokens"], e["response_positions"], e["chunk"]
-    t_fast = engine_runs(T, tquant)
+    t_fast = engine_runs(T, cfg.student if shared else cfg.teacher)
     ev = stud + eng_kept + teach + t_pool_all + s_pool_all
     if t_fast:
         ev.append(("teacher", "evaluation's greedy engine weights (fused q/k/v, gate/up"

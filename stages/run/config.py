@@ -33,6 +33,11 @@ class ModelCfg:
     keep_layers: int = 0  # 0 = all decoder layers; N = keep N layers evenly spaced (compression)
     quant: str = "none"  # none | nf4 | int8 (bitsandbytes)
     double_quant: bool = False  # nf4 only: quantize the 4-bit blocks' scales too (bitsandbytes double quant)
+    # nf4 only: the rollout engine (and evaluation's greedy one) samples from a dense copy of the weights,
+    # the LoRA merged: the engine's speed for one dense copy of the model on the device. false: transformers'
+    # forward over the 4-bit weights, the LoRA unmerged (stages/engine/sampler.py): the least memory, a
+    # slower rollout
+    dense_copy: bool = True
     trust_remote_code: bool = False
     # arch:<name> models only: "embedded" (SmolLM2's tokenizer) or a local tokenizer directory
     tokenizer: str = "embedded"

@@ -12,7 +12,6 @@ would change; its digest (and every digest downstream) changes with it.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -56,7 +55,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("sft", 1, ("sft", "optim", "lora", "train.chunk") + RUNTIME, ("parent", "model", "tasks"), "train"),
     # rollout 2: `reward` column. rollout.sampler=teacher: the teacher samples (its quant, no policy)
     Stage("rollout", 2, ("rollout", "data.max_prompt_tokens", "data.truncation", *(f"{r}.{q}" for r in (
-          "student", "teacher") for q in ("quant", "double_quant")), "env", "train.seed") + RUNTIME,
+          "student", "teacher") for q in ("quant", "double_quant", "dense_copy")), "env", "train.seed") + RUNTIME,
           ("policy", "prompts", "student", "tasks", "teacher", "teacher_adapter"), "train"),
     # score 2: position selection (`selected` column). Of the objective it reads only what the teacher
     # must record (objectives.needs: the name) and how many top-k entries; the rest is the update's
@@ -73,9 +72,11 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           ("policy", "rollout", "score", "student", "align"), "train"),
     # evaluate 2: eval.json adds the answers (non-blank share, distinct bigrams) and the side-by-side samples;
     # 3: task accuracy per role and the flipped prompts (eval.json), score and checker (samples.parquet)
-    Stage("evaluate", 3, ("eval", "train.updates", "rollout.cuda_graphs", "objective.cross_tokenizer") + RUNTIME,
+    Stage("evaluate", 3, ("eval", "train.updates", "rollout.cuda_graphs", "objective.cross_tokenizer",
+                          "student.dense_copy", "teacher.dense_copy") + RUNTIME,
           ("initial", "final", "policies", "prompts", "teacher", "teacher_adapter", "student"), "evaluate"),
-    Stage("tooleval", 1, ("env.max_turns", "env.max_tokens_per_turn", "rollout.cuda_graphs") + RUNTIME,
+    Stage("tooleval", 1, ("env.max_turns", "env.max_tokens_per_turn", "rollout.cuda_graphs",
+                          "student.dense_copy") + RUNTIME,
           ("policy", "policy_stage", "tasks", "student"), None),
     # probe 2: peaks exclude what the process held on the device before the probe loaded its models;
     # 3: the score and update forwards replay CUDA graphs (runtime.cuda_graphs)
@@ -168,6 +169,13 @@ def _declared(stage: str, names) -> None:
         raise KeyError(f"stage '{stage}': undeclared inputs {sorted(extra)} (stages/run/identity.py)")
 
 
+def quantized_sampling(c: Any, *roles: str) -> dict:
+    """An NF4 role with dense_copy=false samples through transformers over its 4-bit weights, not from
+    the engine's dense copy: a key for each such role of the sampling stages (rollout, evaluate, tooleval);
+    only then, so that every other digest stays what it was."""
+    return {f"{r}_sampling": "nf4-transformers" for r in roles if not getattr(c, r).dense_copy}  # (validation: nf4)
+
+
 def quant(c: Any, role: str) -> dict:
     """A bitsandbytes role computes different numbers: its quant joins the digests of the stages it
     runs (rollout/update: student; score: teacher). Added only then: unquantized digests unchanged."""
@@ -245,8 +253,9 @@ class Chain:
             # the teacher, which no policy reaches: its identity replaces the policy's. The key only then
             role = s["rollout"].pop("sampler")
             s.update(quant(c, role))
-            if getattr(c, role).quant == "nf4":  # sampled by the engine from a dense copy (no longer transformers')
+            if getattr(c, role).quant == "nf4" and getattr(c, role).dense_copy:  # by the engine from a dense copy
                 s["engine"] = "nf4-dequantized"
+            s.update(quantized_sampling(c, role))
             inputs = {"prompts": self.prepared["prompts"], "student": self.prepared["student"],
                       **({"policy": self.policy(k - 1)} if role == "student" else self.teacher_inputs())}
             if role != "student":
@@ -323,6 +332,7 @@ class Chain:
         s = slice_of(c, "eval")
         s["runtime"] = self.runtime()
         s = self._with_engine_graphs(s, c)  # it samples greedy answers with the rollout engine
+        s.update(quantized_sampling(c, "student", "teacher"))
         if c.objective.cross_tokenizer != "off":  # measured on aligned spans; the key only then
             s["objective.cross_tokenizer"] = c.objective.cross_tokenizer
         K = c.train.updates  # eval.every > 0: also the policies between 0 and K, and the key
@@ -336,30 +346,12 @@ class Chain:
 
     def tooleval(self, stage: str, policy: str) -> str:
         """Greedy held-out episodes of the student adapter published by (stage, policy)."""
-        e = reads(self.cfg, "tooleval").env
-        s = self._with_engine_graphs({"max_turns": e.max_turns, "max_tokens_per_turn": e.max_tokens_per_turn,
-                                      "runtime": self.runtime()}, reads(self.cfg, "tooleval"))
+        c = reads(self.cfg, "tooleval")
+        s = self._with_engine_graphs({"max_turns": c.env.max_turns, "max_tokens_per_turn": c.env.max_tokens_per_turn,
+                                      "runtime": self.runtime()}, c)
+        s.update(quantized_sampling(c, "student"))
         return make("tooleval", s, {"policy": policy, "policy_stage": stage, "tasks": self.prepared["tasks_test"],
                                     "student": self.prepared["student"]})
-
-
-def dvc_params(dvc_stage: str) -> list[str]:
-    """The config keys a DVC stage's store stages read (a group listed whole when every key is)."""
-    keys = {k for s in STAGES.values() if s.dvc == dvc_stage for k in s.reads}
-    keys |= set(DRIVER_READS.get(dvc_stage, ()))
-    return sorted(_collapse(keys))
-
-
-def _collapse(keys: set[str]) -> set[str]:
-    """Drop keys covered by a listed group; list a group whole when all of its keys are listed."""
-    keys = {k for k in keys if not any(k.startswith(g + ".") for g in keys)}
-    for f in dataclasses.fields(Config):
-        default = getattr(Config(), f.name)
-        if dataclasses.is_dataclass(default):
-            sub = {f"{f.name}.{g.name}" for g in dataclasses.fields(default)}
-            if sub <= keys:
-                keys = (keys - sub) | {f.name}
-    return keys
 
 
 def compiled_decode(cfg, device_type: str) -> bool:

@@ -152,6 +152,9 @@ def _check_memory(cfg, source: str) -> None:
         mc = getattr(cfg, role)
         if mc.double_quant and mc.quant != "nf4":
             raise UserError(f"{source}: key '{role}.double_quant' = true needs {role}.quant=nf4 (it is {mc.quant!r})")
+        if not mc.dense_copy and mc.quant != "nf4":
+            raise UserError(f"{source}: key '{role}.dense_copy' = false needs {role}.quant=nf4 (it is {mc.quant!r}: "
+                            "only an NF4 base is sampled from a dense copy)")
 
 
 def _check_tooluse(cfg, source: str) -> None:

@@ -9,12 +9,13 @@ exits 1 when dvc.yaml differs from what this writes (tests/test_architecture.py 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import sys
 from pathlib import Path
 
 from ..run import identity
 from ..run.pipeline import PIPELINE
-from ..run.config import ROOT
+from ..run.config import ROOT, Config
 from ..errors import UserError
 
 PACKAGE = Path(__file__).resolve().parents[1]  # the `stages` package (this file is stages/tools/dvcyaml.py)
@@ -139,7 +140,7 @@ def code_deps(entry: str) -> list[str]:
 def render() -> str:
     parts = [HEADER]
     for name, (cmd, entry, deps, extra, tail) in PIPELINE.items():
-        params = sorted(set(identity.dvc_params(name)) | set(extra))
+        params = sorted(set(dvc_params(name)) | set(extra))
         parts.append(f"  {name}:\n    cmd: {cmd}\n    deps:\n")
         parts += [f"      - {d}\n" for d in deps + code_deps(entry)]
         if params:
@@ -164,3 +165,22 @@ def main(args) -> None:
         raise UserError(f"{path.parent}: directory not found")
     path.write_text(text)
     print(f"wrote {path}")
+
+
+def dvc_params(dvc_stage: str) -> list[str]:
+    """The config keys a DVC stage's store stages read (a group listed whole when every key is)."""
+    keys = {k for s in identity.STAGES.values() if s.dvc == dvc_stage for k in s.reads}
+    keys |= set(identity.DRIVER_READS.get(dvc_stage, ()))
+    return sorted(_collapse(keys))
+
+
+def _collapse(keys: set[str]) -> set[str]:
+    """Drop keys covered by a listed group; list a group whole when all of its keys are listed."""
+    keys = {k for k in keys if not any(k.startswith(g + ".") for g in keys)}
+    for f in dataclasses.fields(Config):
+        default = getattr(Config(), f.name)
+        if dataclasses.is_dataclass(default):
+            sub = {f"{f.name}.{g.name}" for g in dataclasses.fields(default)}
+            if sub <= keys:
+                keys = (keys - sub) | {f.name}
+    return keys

@@ -253,6 +253,8 @@ def load(model_dir: Path, mcfg: ModelCfg, device: torch.device, dtype: torch.dty
         for m in model.modules():
             if hasattr(m, "support_avx512bf16_for_cpu"):
                 m.support_avx512bf16_for_cpu = False
+    if mcfg.quant == "nf4" and not getattr(mcfg, "dense_copy", True):
+        state(model).quantized_sampling = True  # (sampler.supported reads it)
     model.eval()
     model.requires_grad_(False)
     return model

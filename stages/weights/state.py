@@ -41,6 +41,9 @@ class ModelState:
     # decoder layers compiled (models.compile_layers) for "training" (eval-mode forwards then run eager)
     # or "inference"; None: eager. A view of another model's layers takes that model's (Resident.teacher)
     compiled: str | None = None
+    # an NF4 model whose ModelCfg.dense_copy is false: sampled through transformers over its 4-bit weights
+    # (engine/sampler.py `supported`), never from a dense copy
+    quantized_sampling: bool = False
 
     # ---- engine/graphs.py
     # captured forwards by (mode, train flag, batch, padded length), least recently used first, and

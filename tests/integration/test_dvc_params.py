@@ -10,7 +10,7 @@ import yaml
 
 from dvcrepo import dvc
 from support import TINY, opd
-from stages.run import identity
+from stages.tools import dvcyaml
 
 DVC_STAGES = ("prepare", "train", "evaluate")
 UNREAD = ("memory.margin", "memory.placement")  # placement and budget never change what is computed
@@ -80,7 +80,7 @@ def test_every_declared_key_group_reruns_its_stage(repo):
     via_cli = stale_stages(repo, "train.updates", cli=True)
     assert "train" in via_cli and via_cli == stale_stages(repo, "train.updates")
     params = yaml.safe_load((repo / "params.yaml").read_text())
-    groups = {(stage, g) for stage in DVC_STAGES for g in identity.dvc_params(stage)}
+    groups = {(stage, g) for stage in DVC_STAGES for g in dvcyaml.dvc_params(stage)}
     assert {("train", "teacher_mode"), ("train", "env"), ("train", "sft"), ("prepare", "env")} <= groups
     missed = []
     for stage, g in sorted(groups):

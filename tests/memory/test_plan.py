@@ -203,6 +203,20 @@ def test_totals_are_the_sum_of_their_items():
     i8 = plan.estimate(cfg(*SEED, "student.quant=int8"))
     assert i8["models"]["student"]["rollout_engine"] == "transformers fallback"
     assert item(i8, "rollout", "prefill logits") == 4 * 128 * 49152 * 2
+    # NF4 without the dense copies (dense_copy=false): no engine weights in any phase, the teacher's greedy
+    # engine of evaluation gone too; sampled through transformers as int8 is
+    small = plan.estimate(cfg(*SEED, "student.quant=nf4", "teacher.quant=nf4", "student.dense_copy=false",
+                              "teacher.dense_copy=false"))
+    assert small["models"]["student"]["rollout_engine"] == "transformers fallback"
+    assert item(small, "rollout", "prefill logits") == 4 * 128 * 49152 * 2
+    phases = small["placements"]["resident"]["phases"]
+    assert not [i for ph in phases.values() for i in ph["items"] if "engine weights" in i["component"]]
+    copy = item(est, "rollout", "rollout engine weights")
+    t_copy = item(est, "evaluate", "evaluation's greedy engine weights", role="teacher")
+    total = lambda e, ph: e["placements"]["resident"]["phases"][ph]["total_gib"] * GIB  # noqa: E731
+    # the copy less; the fallback's own buffers (dynamic cache, prompt logits) about the graphs it drops
+    assert abs(total(small, "rollout") - (total(est, "rollout") - copy)) < 0.1 * GIB
+    assert total(small, "evaluate") < total(est, "evaluate") - copy - t_copy
 
 
 def test_activation_formula_matches_autograd_saved_tensors():
@@ -328,6 +342,7 @@ def test_cli_infeasible_exits_2_with_numbers_and_fixes(tmp_path, monkeypatch, ca
     (["memory.margin=1.5"], "memory.margin"),
     (["memory.placement=everywhere"], "memory.placement"),
     (["student.double_quant=true"], "student.double_quant"),
+    (["teacher.dense_copy=false"], "teacher.dense_copy"),
     (["memory.placement=swap", "student.quant=nf4"], "memory.placement=resident"),
     (["memory.placement=shared_backbone"], "shared_backbone"),
 ])

@@ -118,10 +118,10 @@ def test_every_declared_read_is_a_config_key():
 
 
 def test_dvc_params_cover_every_read_of_the_stages_a_dvc_stage_runs():
-    train = identity.dvc_params("train")
+    train = dvcyaml.dvc_params("train")
     assert {"teacher_mode", "env", "sft", "train", "runtime", "student.quant", "teacher.quant"} <= set(train)
     assert "memory" not in train and not any(p.startswith("memory.") for p in train)
-    prepare = identity.dvc_params("prepare")
+    prepare = dvcyaml.dvc_params("prepare")
     assert {"data", "env", "objective.topk", "student.name", "teacher.keep_layers"} <= set(prepare)
 
 

@@ -23,6 +23,7 @@ from stages.errors import UserError
 @pytest.mark.parametrize("over", [
     ["student.quant=nf4", "teacher.quant=int8"],
     ["student.quant=int8", "teacher.quant=nf4", "teacher.double_quant=true"],
+    ["student.quant=nf4", "student.dense_copy=false", "teacher.quant=nf4", "teacher.dense_copy=false"],
 ])
 def test_quantized_lora_update_changes_the_adapter_with_finite_loss(work, over):
     sess = session(work, *over)
@@ -35,8 +36,9 @@ def test_quantized_lora_update_changes_the_adapter_with_finite_loss(work, over):
     changed = {n for n in init if not torch.equal(init[n], after[n])}
     # step 1 starts from B = 0, so A's gradient (through B) is zero: every B moves, A waits a step
     assert changed == {n for n in init if "lora_B" in n} and len(changed) == 14
-    # NF4 samples with the engine from a dense copy; int8 (LLM.int8 quantizes activations) through transformers
-    assert (sess.models.engine() is not None) == ("student.quant=nf4" in over)
+    # NF4 samples with the engine from a dense copy (none with dense_copy=false); int8 (LLM.int8 quantizes
+    # activations) through transformers
+    assert (sess.models.engine() is not None) == ("student.quant=nf4" in over and "student.dense_copy=false" not in over)
     q = sess.models.student().get_base_model().model.layers[0].self_attn.q_proj.base_layer
     assert type(q).__name__ == ("Linear4bit" if "student.quant=nf4" in over else "Linear8bitLt")
     sc = json.loads((sess.store.path("score", sess.chain.score(1)) / "state.json").read_text())
@@ -131,6 +133,21 @@ def test_int8_student_keeps_the_transformers_fallback(work, capsys):
     assert "int8 base" in capsys.readouterr().err
 
 
+def test_nf4_without_the_dense_copy_samples_through_transformers_unwarned(work, capsys):
+    from stages.engine import sampler
+
+    sess = session(work)
+    mcfg = ModelCfg(quant="nf4", dense_copy=False)
+    base = lora.add(models.load(sess.models.model_dir("student"), mcfg, torch.device("cpu"), torch.float32),
+                    LoraCfg(r=4, alpha=8), 1)
+    capsys.readouterr()
+    assert sampler.make(base, use_graphs=False) is None
+    assert capsys.readouterr().err == ""  # the user's choice, not a fallback to warn about
+    dense = models.load(sess.models.model_dir("student"), ModelCfg(quant="nf4"), torch.device("cpu"), torch.float32)
+    assert sampler.supported(dense) is None
+
+
+
 def test_quant_joins_the_digests_it_changes(work):
     plain = session(work)
     s_nf4 = session(work, "student.quant=nf4")
@@ -141,6 +158,12 @@ def test_quant_joins_the_digests_it_changes(work):
     # a quantized teacher scores differently, but the first rollout is reused (cross-run reuse)
     assert t_nf4.chain.rollout(1) == plain.chain.rollout(1)
     assert t_nf4.chain.score(1) != plain.chain.score(1) != t_dq.chain.score(1) != t_nf4.chain.score(1)
+    # sampling NF4 through transformers (dense_copy=false) joins the stages that sample with that role:
+    # the student's rollouts and evaluation, not the teacher's scores; the teacher's: evaluation only
+    s_small = session(work, "student.quant=nf4", "student.dense_copy=false")
+    assert s_small.chain.rollout(1) != s_nf4.chain.rollout(1) and s_small.chain.evaluate() != s_nf4.chain.evaluate()
+    t_small = session(work, "teacher.quant=nf4", "teacher.dense_copy=false")
+    assert t_small.chain.score(2) == t_nf4.chain.score(2) and t_small.chain.evaluate() != t_nf4.chain.evaluate()
     # placement and memory settings change nothing that is computed
     other = session(work, "memory.placement=resident", "memory.chunk_floor=4", "memory.vram_gib=64")
     assert other.chain.update(2) == plain.chain.update(2)

@@ -29,7 +29,7 @@ def add(model, lcfg: LoraCfg, seed: int):
             peft_model = get_peft_model(model, cfg, autocast_adapter_dtype=True)
     except ValueError as e:
         raise UserError(f"key 'lora.target_modules': {str(e).splitlines()[0]}") from None
-    one_pass_tails(peft_model)
+    # one_pass_tails(peft_model)  # (off: not PEFT's bytes on CUDA)
     return peft_model
 
 

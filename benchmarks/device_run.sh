@@ -8,8 +8,7 @@
 #           (and the SmolLM2 tokenizer files in .bench/smollm2-tokenizer: `opd stage prepare` once, then
 #            copy artifacts/store/tokenizer/<digest> there; .whl and .bench in .git/info/exclude)
 #           py-spy==0.4.3   (for `first`)
-#   device: run(command="bash benchmarks/device_run.sh [tests|bench|all|decode|first|sdpa|lora]", carry=[".whl", ".bench"])
-#   (lora: benchmarks/lora_tail.py, PEFT's LoRA tail against lora.one_pass_tails at workload b's size)
+#   device: run(command="bash benchmarks/device_run.sh [tests|bench|all|decode|first|sdpa]", carry=[".whl", ".bench"])
 #   (decode: benchmarks/decode_kernels.py's variants, OPD_DECODE_VARIANTS / OPD_DECODE_SHAPES;
 #    first: benchmarks/first_update.py, fresh processes' construction + first update, the last sampled
 #    by py-spy; OPD_FIRST_EXTRA: more of its options, e.g. "--sampler none --against-tree .ab/base" with
@@ -86,11 +85,6 @@ if [ "$what" = first ]; then
   # shellcheck disable=SC2086
   python3 benchmarks/first_update.py --tokenizer .bench/smollm2-tokenizer --out "$out/first" --runs 3 ${OPD_FIRST_EXTRA:-} 2>&1 \
     | tee "$out/first.log" | tail -40
-  rc=${PIPESTATUS[0]}
-fi
-if [ "$what" = lora ]; then
-  # PEFT's LoRA tail against lora.one_pass_tails on workload b's student and batch (~60 s)
-  python3 benchmarks/lora_tail.py --out "$out/lora" 2>&1 | tee "$out/lora.log" | tail -20
   rc=${PIPESTATUS[0]}
 fi
 if [ "$what" = sdpa ]; then

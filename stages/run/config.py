@@ -174,8 +174,8 @@ class RuntimeCfg:
     # kernels round differently from eager, so it is part of every CUDA digest. CPU: eager always
     compile: bool = True
     # CUDA: the student's decoder layers train compiled and the teacher's score compiled
-    # (models.compile_layers). Faster steps (H200, seed workload: 0.363 s/update) for a slow start
-    # (~80 s more before the first update on a cold compile cache): worth it for long runs only
+    # (models.compile_layers). Faster steps (workload b: 2.42 s/update against 3.38; docs/performance.md)
+    # for a slower start (26 s more before the first update on a cold compile cache): for long runs
     compile_layers: bool = False
     # CUDA: the teacher-forced forwards (score; the update's forward and backward) replay captured
     # CUDA graphs (stages/engine/graphs.py; phases.graphed_roles says for which models): the

@@ -3,8 +3,6 @@ model (A drawn from the CPU generator, seeded; B zero, so policy 0 is the base m
 adapters moved to the device in one copy (`moved_at_once`); `load` puts a published adapter in."""
 from __future__ import annotations
 
-import math
-import types
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,11 +24,9 @@ def add(model, lcfg: LoraCfg, seed: int):
                      target_modules=list(lcfg.target_modules), bias="none", task_type="CAUSAL_LM")
     try:
         with peft_wrap_quietly(), moved_at_once():
-            peft_model = get_peft_model(model, cfg, autocast_adapter_dtype=True)
+            return get_peft_model(model, cfg, autocast_adapter_dtype=True)
     except ValueError as e:
         raise UserError(f"key 'lora.target_modules': {str(e).splitlines()[0]}") from None
-    # one_pass_tails(peft_model)  # (off: not PEFT's bytes on CUDA)
-    return peft_model
 
 
 def load(peft_model, adapter_dir: Path) -> None:
@@ -110,60 +106,3 @@ def _module_tensors(layer, name: str) -> list[torch.Tensor] | None:
     if any(list(m.buffers()) for m in items) or not all(t.is_floating_point() for t in tensors):
         return None
     return tensors
-
-
-def one_pass_tails(model) -> int:
-    """PEFT's LoRA Linear (0.21) ends its forward with `(result + lora_B(lora_A(x)) * scaling).to(dtype)`:
-    with the adapters in fp32 and the base in bf16, three passes over [tokens, out] fp32 tensors (scale,
-    add, cast) and three more in the backward (docs/performance.md, "Workload b by kernel"). Where the
-    scale is a power of two >= 1 (the default alpha = 2r: 2), `lora * scaling` is exact, so one
-    `torch.add(result, lora, alpha=scaling)` rounded once into the result's dtype gives PEFT's bytes,
-    and so does its backward (`_Tail`). Each plain LoRA Linear of `model` gets that forward; it falls
-    back to PEFT's own where the conditions do not hold (merged, disabled, several adapters, a variant,
-    another scale). Returns how many modules it changed."""
-    from peft.tuners.lora.layer import Linear
-
-    n = 0
-    for m in model.modules():
-        if type(m) is Linear:  # (not bitsandbytes' LoRA layers, whose tails round otherwise)
-            m.forward = types.MethodType(_one_pass_forward, m)
-            n += 1
-    return n
-
-
-def _exact_scale(s) -> bool:
-    return isinstance(s, (int, float)) and s >= 1 and math.frexp(s)[0] == 0.5  # 1, 2, 4, ...
-
-
-def _one_pass_forward(self, x, *args, **kwargs):
-    names = [a for a in self.active_adapters if a in self.lora_A]
-    if (args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or names[0] in self.lora_variant
-            or not _exact_scale(self.scaling[names[0]])
-            # a functorch transform (tests/numerics.py traces each op under functionalize, which has no rule
-            # for a custom autograd.Function): PEFT's ops, the same values
-            or torch._C._are_functorch_transforms_active()):
-        return type(self).forward(self, x, *args, **kwargs)
-    a = names[0]
-    result = self.base_layer(x)
-    lora = self.lora_B[a](self.lora_A[a](self.lora_dropout[a](self._cast_input_dtype(x, self.lora_A[a].weight.dtype))))
-    return _Tail.apply(result, lora, float(self.scaling[a]))
-
-
-class _Tail(torch.autograd.Function):
-    """(result + lora * scaling).to(result.dtype) in one pass, for an exact `scaling` (a power of two >= 1).
-    Backward: PEFT's casts make the result's gradient the incoming one (bf16 -> fp32 -> bf16 is exact)
-    and the LoRA's `float(grad) * scaling`, as here."""
-
-    @staticmethod
-    def forward(result, lora, scaling):  # result [.., out] (bf16 or fp32), lora [.., out] fp32
-        out = torch.empty_like(result)
-        return torch.add(result, lora, alpha=scaling, out=out)  # computed in fp32, rounded once into out
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.scaling = inputs[2]
-
-    @staticmethod
-    def backward(ctx, grad):
-        lora = grad.to(torch.float32, copy=True).mul_(ctx.scaling) if ctx.needs_input_grad[1] else None
-        return grad if ctx.needs_input_grad[0] else None, lora, None

@@ -141,7 +141,13 @@ def _variants(cfg):
     q = [[(f"{role}.quant", "nf4")] for role in ("student", "teacher")  # (an NF4 student is not merged in place)
          if getattr(cfg, role).quant == "none" and _bitsandbytes()
          and not (role == "student" and cfg.memory.merge_in_place)]
-    yield "quant", q + ([q[0] + q[1]] if len(q) == 2 else [])
+    q += [q[0] + q[1]] if len(q) == 2 else []
+    # then the NF4 roles (as they are, or with the strongest change above) without their dense sampling
+    # copies (ModelCfg.dense_copy): the student's in the loop, the teacher's in evaluation
+    nf4 = q[-1] if q else []
+    dense = [[(f"{r}.dense_copy", False)] for r in ("student", "teacher") if getattr(cfg, r).dense_copy
+             and (getattr(cfg, r).quant == "nf4" or (f"{r}.quant", "nf4") in nf4)]
+    yield "quant", q + [nf4 + d for d in dense] + ([nf4 + dense[0] + dense[1]] if len(dense) == 2 else [])
     bs, b = [], cfg.rollout.batch_size // 2
     while b >= 1:
         bs.append([("rollout.batch_size", b)])

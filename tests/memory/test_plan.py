@@ -216,6 +216,15 @@ def test_totals_are_the_sum_of_their_items():
     total = lambda e, ph: e["placements"]["resident"]["phases"][ph]["total_gib"] * GIB  # noqa: E731
     # the copy less; the fallback's own buffers (dynamic cache, prompt logits) about the graphs it drops
     assert abs(total(small, "rollout") - (total(est, "rollout") - copy)) < 0.1 * GIB
+    # the 2 GiB card: NF4 alone does not fit (evaluation's greedy engine of the teacher), without the
+    # dense copies it does, and the infeasible plan says so
+    tight = plan.estimate(cfg(*[o for o in SEED if not o.startswith("memory.vram")], "memory.vram_gib=2",
+                              "student.quant=nf4", "teacher.quant=nf4", "train.activation_checkpointing=true",
+                              "train.chunk=128", "data.num_eval=4", "eval.max_new_tokens=8", "memory.placement=resident"))
+    assert not tight["feasible"] and [t["set"] for t in tight["suggestions"]] == \
+        [{"student.dense_copy": False, "teacher.dense_copy": False}]
+    assert "fits with: student.dense_copy=false teacher.dense_copy=false (1.65 GiB, resident)" in \
+        plan.infeasible_message(tight)
     assert total(small, "evaluate") < total(est, "evaluate") - copy - t_copy
 
 

@@ -289,7 +289,7 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     # policy 0 and policy K, one after another, then the held-out KL of each
     e = eval_workload(x)
     te, ne, ce = e["tokens"], e["response_positions"], e["chunk"]
-    t_fast = engine_runs(T, cfg.student if shared else cfg.teacher)
+    t_fast = engine_runs(T, cfg.teacher)  # (shared_backbone: the student's quant, the teacher's dense_copy)
     ev = stud + eng_kept + teach + t_pool_all + s_pool_all
     if t_fast:
         ev.append(("teacher", "evaluation's greedy engine weights (fused q/k/v, gate/up"

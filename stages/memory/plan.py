@@ -20,7 +20,8 @@ import sys
 from ..errors import UserError
 from . import hostmem
 from .placement import GIB, check_placement, device_total, refusal
-from .phases import ENV_TOOL_TOKENS, LOOP, Ctx, eval_workload, graphed_roles, in_place, phase_total, phases, workload
+from .phases import (ENV_TOOL_TOKENS, LOOP, Ctx, engine_runs, eval_workload, graphed_roles, in_place, phase_total,
+                     phases, workload)
 from .shapes import lora_params, pristine_bytes, shape_of, weight_bytes
 
 PLACEMENTS = ("resident", "swap", "shared_backbone")
@@ -143,7 +144,8 @@ def _variants(cfg):
          and not (role == "student" and cfg.memory.merge_in_place)]
     q += [q[0] + q[1]] if len(q) == 2 else []
     # then the NF4 roles (as they are, or with the strongest change above) without their dense sampling
-    # copies (ModelCfg.dense_copy): the student's in the loop, the teacher's in evaluation
+    # copies (ModelCfg.dense_copy): the student's in the loop, the teacher's in evaluation (and in the
+    # rollouts of rollout.sampler=teacher, which the plan's rollout phase does not count yet)
     nf4 = q[-1] if q else []
     dense = [[(f"{r}.dense_copy", False)] for r in ("student", "teacher") if getattr(cfg, r).dense_copy
              and (getattr(cfg, r).quant == "nf4" or (f"{r}.quant", "nf4") in nf4)]
@@ -252,12 +254,15 @@ def estimate(cfg, shapes: dict | None = None) -> dict:
                             "items": [{"role": ro, "component": what, "gib": _gib(b), "bytes": int(b),
                                        "one_at_a_time": alt} for ro, what, b, alt in items]}
                        for ph, items in r["phases"].items()}}
+    t_fast = engine_runs(x.T, cfg.teacher)
     notes = ["steady state (step >= 2): step 1 has no LoRA grads, Adam moments or (rollout) teacher yet",
              "each rollout merges the LoRA into the student's own weights, one projection at a time (fp32 scratch)"
              if in_place(x) else
-             "after each update the engine re-merges in place, one projection at a time (fp32 scratch)",
+             "after each update the engine re-merges in place, one projection at a time (fp32 scratch)"
+             if x.engine else "the student samples through transformers, the LoRA unmerged: nothing to re-merge",
              f"evaluate: the {cfg.data.num_eval} held-out prompts (data.num_eval) in one greedy batch; the "
-             "teacher's greedy engine stays for the whole evaluation; every placement holds both roles there"]
+             + ("teacher's greedy engine stays for the whole evaluation" if t_fast else
+                "teacher answers through transformers (no greedy engine)") + "; every placement holds both roles there"]
     if cfg.memory.placement == "swap" and x.device == "cpu":
         notes.append("on CPU the device is host memory: swap moves nothing")
     if getattr(getattr(cfg, "env", None), "name", None):

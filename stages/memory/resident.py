@@ -82,6 +82,7 @@ class Resident:
             self._teacher = placement.shared_teacher(self)  # the student's base, its LoRA disabled: one copy
             # a view of the student's layers: compiled as they are (lmhead then runs them eager, in eval mode)
             state(self._teacher).compiled = state(self._student).compiled
+            models.mark_sampling(self._teacher, self.cfg.teacher)  # (teacher.dense_copy, not the student's)
             self._graph_forwards(self._teacher, "teacher")  # (on its view: not the student's setting)
         if self._teacher is None:
             teacher = self._ahead.take("teacher")

@@ -253,8 +253,7 @@ def load(model_dir: Path, mcfg: ModelCfg, device: torch.device, dtype: torch.dty
         for m in model.modules():
             if hasattr(m, "support_avx512bf16_for_cpu"):
                 m.support_avx512bf16_for_cpu = False
-    if mcfg.quant == "nf4" and not getattr(mcfg, "dense_copy", True):
-        state(model).quantized_sampling = True  # (sampler.supported reads it)
+    mark_sampling(model, mcfg)
     model.eval()
     model.requires_grad_(False)
     return model
@@ -302,6 +301,13 @@ def enable_activation_checkpointing(model, preserve_rng_state: bool) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+
+
+def mark_sampling(model, mcfg: ModelCfg) -> None:
+    """How `model` is sampled (engine/sampler.py `supported` reads it): an NF4 model with dense_copy=false
+    through transformers over its 4-bit weights, never from a dense copy. The shared teacher's view
+    (memory/placement.py) has a state of its own and gets the teacher's setting there."""
+    state(model).quantized_sampling = mcfg.quant == "nf4" and not getattr(mcfg, "dense_copy", True)
 
 
 def compile_settings() -> None:

@@ -147,7 +147,6 @@ def test_nf4_without_the_dense_copy_samples_through_transformers_unwarned(work, 
     assert sampler.supported(dense) is None
 
 
-
 def test_quant_joins_the_digests_it_changes(work):
     plain = session(work)
     s_nf4 = session(work, "student.quant=nf4")
@@ -175,3 +174,34 @@ def test_missing_bitsandbytes_is_a_one_line_error(work, monkeypatch):
     with pytest.raises(UserError) as e:
         models.load(sess.models.model_dir("student"), sess.cfg.student, sess.device, sess.dtype)
     assert "bitsandbytes" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("student_dense,teacher_dense", [(True, False), (False, True)])
+def test_the_shared_teacher_samples_as_teacher_dense_copy_says(work, student_dense, teacher_dense):
+    """Under shared_backbone the teacher is a view of the student's NF4 base with a state of its own:
+    teacher.dense_copy decides how it samples (evaluation, rollout.sampler=teacher), not the student's."""
+    from stages.engine import sampler
+    from stages.memory import placement
+
+    sess = session(work, "teacher.name=arch:tiny-llama", "teacher.init=random", "memory.placement=shared_backbone",
+                   "student.quant=nf4", "teacher.quant=nf4", f"student.dense_copy={str(student_dense).lower()}",
+                   f"teacher.dense_copy={str(teacher_dense).lower()}")
+    student, teacher = sess.models.student(), sess.models.teacher()
+    assert isinstance(teacher, placement.SharedTeacher)
+    assert (sampler.supported(student) is None) == student_dense
+    assert (sampler.supported(teacher) is None) == teacher_dense
+
+
+def test_sampling_over_4bit_weights_joins_the_teacher_sampler_and_tooleval(work):
+    plain = session(work, "rollout.sampler=teacher", "objective.name=nll", "teacher.quant=nf4")
+    small = session(work, "rollout.sampler=teacher", "objective.name=nll", "teacher.quant=nf4",
+                    "teacher.dense_copy=false")
+    assert small.chain.rollout(1) != plain.chain.rollout(1)
+    student = session(work, "rollout.sampler=teacher", "objective.name=nll", "teacher.quant=nf4",
+                      "student.quant=nf4", "student.dense_copy=false")  # (the student does not sample)
+    dense = session(work, "rollout.sampler=teacher", "objective.name=nll", "teacher.quant=nf4", "student.quant=nf4")
+    assert student.chain.rollout(1) == dense.chain.rollout(1)
+    tool = ["env.name=calculator", "student.quant=nf4"]
+    a, b = session(work, *tool), session(work, *tool, "student.dense_copy=false")
+    pol = a.chain.policy(1)
+    assert a.chain.tooleval("update", pol) != b.chain.tooleval("update", pol)

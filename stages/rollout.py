@@ -85,7 +85,8 @@ def teacher_sampler(sess: Session):
     """generate(prompt_ids, max_new, seed, min_new) sampling the teacher with the run's Sampling (as
     Resident.generate samples the student): evaluate's machinery, the rollout engine made on the teacher
     (or the transformers fallback). Built per rollout, before the timed phase, and dropped with it: the
-    engine's merged weight copy and graphs are not kept between steps (the memory plan has no teacher engine)."""
+    engine's weight copies and graphs are not kept between steps (the memory plan counts them in the rollout
+    phase alone)."""
     sess.models.activate("teacher")  # placement swap: the student waits in host memory
     teacher, tok = sess.models.teacher(), sess.models.tokenizer()
     engine = sampler.make(teacher, sess.cfg.rollout.cuda_graphs, sess.models.compiled_decode, sess.models.before_capture)

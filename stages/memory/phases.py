@@ -137,6 +137,11 @@ def _bucket(n: int) -> int:
     return -(-n // FORWARD_BUCKET) * FORWARD_BUCKET
 
 
+def teacher_samples(cfg) -> bool:
+    """rollout.sampler=teacher (the off-policy control): the teacher samples the loop's rollouts."""
+    return getattr(cfg.rollout, "sampler", "student") == "teacher"
+
+
 def engine_runs(sh: Shape, mcfg) -> bool:
     """The fast engine samples from this model (stages/engine/sampler.py `supported`), else the
     transformers fallback (int8, NF4 with dense_copy=false, other architectures)."""
@@ -172,6 +177,24 @@ def _greedy(role: str, sh: Shape, quant: str, fast: bool, e: dict, s: int) -> li
              f"[{B}, {P}, {sh.vocab}] + the larger of prefill activations and sampling buffers",
              kv + B * P * sh.vocab * s + max(forward_bytes(sh, B * P, s), B * sh.vocab * (s + 16))
              + dequant_bytes(sh, quant, B * P, s), True)]
+
+
+def _call_buffers(role: str, sh: Shape, quant: str, fast: bool, graphs: bool, B: int, P: int, Pb: int, N: int,
+                  s: int, top_p: float) -> list:
+    """One rollout generate's own buffers: the fast engine's (none with graphs: the captured pool holds
+    them), or the transformers fallback's (dynamic cache, LoRA unmerged, logits of every prompt position)."""
+    d = decode_bytes(sh, B, Pb, N, s, top_p)
+    if fast:
+        return [] if graphs else [
+            (role, f"KV cache of this call [{sh.layers}, 2, {B}, {sh.kv_heads}, {Pb + N}, {sh.head_dim}]", d["kv"], False),
+            (role, f"prefill activations ({B} x {Pb} tokens) + attention scores", d["prefill"], True),
+            (role, "sampling buffers [B, V] fp32", d["pick"], True)]
+    return [(role, f"KV cache (dynamic) [{sh.layers}, {B}, {sh.kv_heads}, {P + N}, {sh.head_dim}] x2",
+             2 * sh.layers * B * sh.kv_heads * (P + N) * sh.head_dim * s, False),
+            (role, f"prefill logits [{B}, {P}, {sh.vocab}]", B * P * sh.vocab * s, False),
+            (role, f"prefill activations ({B} x {P} tokens)", forward_bytes(sh, B * P, s), True),
+            (role, "sampling buffers [B, V] fp32", d["pick"], True),
+            (role, "quantized matmul scratch", dequant_bytes(sh, quant, B * P, s), False)]
 
 
 def _label(quant: str, dq: bool, dtype: str) -> str:
@@ -228,6 +251,7 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     # graphs are freed before each move (its own phase holds about what eager does: the capture's
     # passes, one at a time)
     graphed_all = graphed_roles(cfg, x.device)  # (under swap the loop's phases hold none: `t_pool`, `s_pool`)
+    tquant = sq if shared else tq
     t_fwd = forward_bytes(T, t, s) + t * T.hidden * s  # the teacher's forward activations + hidden states
     a, scratch = saved_per_token_layer(S, cfg.lora, s), t * (2 * S.hidden + 3 * S.inter) * 4
     saved = t * (S.layers * a + 4 * S.hidden)  # the student's saved activations (update)
@@ -242,26 +266,30 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     t_pool, s_pool = ([], []) if moves else (t_pool_all, s_pool_all)
     out: dict[str, list] = {}
 
-    ro = stud + eng + ([] if moves else teach)
-    if x.engine:
-        if moves:  # the engine is rebuilt inside each rollout: fp32 scratch of one merge
+    if teacher_samples(cfg):  # rollout.teacher_sampler: an engine on the teacher for each rollout, dropped
+        # after it; the student samples only in evaluation, which builds its engine (eng_kept)
+        eng, tf = [], engine_runs(T, cfg.teacher)
+        tg = x.device == "cuda" and cfg.rollout.cuda_graphs and tf
+        tPb = -(-P // 16) * 16 if tg else P
+        ro = ([] if moves else stud) + teach  # (swap: the teacher's phase, the student in host memory)
+        if tf:
+            ro.append(("teacher", "rollout engine weights for this rollout (fused q/k/v, gate/up"
+                       + ("; every projection dequantized from NF4)" if tquant == "nf4" else ")"),
+                       plain_engine_bytes(T, s, dense=tquant == "nf4"), False))
+        if tg:
+            d = decode_bytes(T, B, tPb, N, s, cfg.rollout.top_p)
+            ro.append(("teacher", f"captured prefill + decode graphs for this rollout: static KV cache [{T.layers}, 2, "
+                       f"{B}, {T.kv_heads}, {tPb + N}, {T.head_dim}] + the larger of the two scratches",
+                       d["kv"] + d["pick"] + max(d["prefill"], d["step"]), False))
+        ro += _call_buffers("teacher", T, tquant, tf, tg, B, P, tPb, N, s, cfg.rollout.top_p)
+    else:
+        ro = stud + eng + ([] if moves else teach)
+        if x.engine and moves:  # the engine is rebuilt inside each rollout: fp32 scratch of one merge
             ro.append(("student", "engine build scratch (fp32 merge of one projection)", 3 * big * 4, True))
-        if not w["cuda_graphs"]:  # (with graphs: the captured state and pool above)
-            ro += [("student", f"KV cache of this call [{S.layers}, 2, {B}, {S.kv_heads}, {L}, {S.head_dim}]", kv,
-                    False),
-                   ("student", f"prefill activations ({B} x {Pb} tokens) + attention scores", prefill, True),
-                   ("student", "sampling buffers [B, V] fp32", pick, True)]
-    else:  # transformers fallback: dynamic cache, LoRA unmerged, logits of every prompt position
-        ro += [("student", f"KV cache (dynamic) [{S.layers}, {B}, {S.kv_heads}, {P + N}, {S.head_dim}] x2",
-                2 * S.layers * B * S.kv_heads * (P + N) * S.head_dim * s, False),
-               ("student", f"prefill logits [{B}, {P}, {V}]", B * P * V * s, False),
-               ("student", f"prefill activations ({B} x {P} tokens)", forward_bytes(S, B * P, s), True),
-               ("student", "sampling buffers [B, V] fp32", pick, True),
-               ("student", "quantized matmul scratch", dequant_bytes(S, sq, B * P, s), False)]
+        ro += _call_buffers("student", S, sq, x.engine, w["cuda_graphs"], B, P, Pb, N, s, cfg.rollout.top_p)
     out["rollout"] = ro + t_pool + s_pool
 
     sc = ([] if moves else stud + eng) + teach
-    tquant = sq if shared else tq
     sc += t_pool or [("teacher", f"forward activations ({t} tokens) + last hidden states [{t}, H]", t_fwd, True)]
     sc += s_pool + [("teacher", f"logits chunk [{c}, {V}] fp32 x3 (log_softmax, exp, entropy term)", 3 * c * V * 4, True),
                     ("teacher", f"selected hidden states [{n}, H]", n * T.hidden * s, False),

@@ -21,7 +21,7 @@ from ..errors import UserError
 from . import hostmem
 from .placement import GIB, check_placement, device_total, refusal
 from .phases import (ENV_TOOL_TOKENS, LOOP, Ctx, engine_runs, eval_workload, graphed_roles, in_place, phase_total,
-                     phases, workload)
+                     phases, teacher_samples, workload)
 from .shapes import lora_params, pristine_bytes, shape_of, weight_bytes
 
 PLACEMENTS = ("resident", "swap", "shared_backbone")
@@ -144,8 +144,7 @@ def _variants(cfg):
          and not (role == "student" and cfg.memory.merge_in_place)]
     q += [q[0] + q[1]] if len(q) == 2 else []
     # then the NF4 roles (as they are, or with the strongest change above) without their dense sampling
-    # copies (ModelCfg.dense_copy): the student's in the loop, the teacher's in evaluation (and in the
-    # rollouts of rollout.sampler=teacher, which the plan's rollout phase does not count yet)
+    # copies (ModelCfg.dense_copy): the sampling role's in the loop, the teacher's in evaluation
     nf4 = q[-1] if q else []
     dense = [[(f"{r}.dense_copy", False)] for r in ("student", "teacher") if getattr(cfg, r).dense_copy
              and (getattr(cfg, r).quant == "nf4" or (f"{r}.quant", "nf4") in nf4)]
@@ -258,6 +257,8 @@ def estimate(cfg, shapes: dict | None = None) -> dict:
     notes = ["steady state (step >= 2): step 1 has no LoRA grads, Adam moments or (rollout) teacher yet",
              "each rollout merges the LoRA into the student's own weights, one projection at a time (fp32 scratch)"
              if in_place(x) else
+             "the teacher samples the rollouts (rollout.sampler=teacher): its engine is built for each rollout and "
+             "dropped after it" if teacher_samples(cfg) else
              "after each update the engine re-merges in place, one projection at a time (fp32 scratch)"
              if x.engine else "the student samples through transformers, the LoRA unmerged: nothing to re-merge",
              f"evaluate: the {cfg.data.num_eval} held-out prompts (data.num_eval) in one greedy batch; the "

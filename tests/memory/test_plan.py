@@ -468,3 +468,25 @@ def test_swap_chosen_notes_that_checkpointing_keeps_both_roles_resident():
     tight = plan.estimate(cfg(*SEED, "memory.vram_gib=5.5"))
     assert tight["placement"]["chosen"] == "swap" and not tight["feasible"]
     assert not any(n.startswith("resident fits") for n in tight["notes"])
+
+
+def test_the_teacher_sampler_is_counted_in_the_rollout_and_the_student_engine_is_not():
+    """rollout.sampler=teacher: rollout.teacher_sampler builds an engine on the teacher for each rollout
+    (every projection dequantized for an NF4 teacher; none with teacher.dense_copy=false: transformers'
+    buffers instead); the student samples only in evaluation, so its engine is in no phase of the loop."""
+    off = ["rollout.sampler=teacher", "objective.name=nll", "teacher.quant=nf4"]
+    est = plan.estimate(cfg(*SEED, *off))
+    T = shapes.shape_of(cfg(*SEED).teacher, "teacher")
+    assert item(est, "rollout", "rollout engine weights for this rollout", role="teacher") == \
+        shapes.plain_engine_bytes(T, 2, dense=True)
+    ph = est["placements"]["resident"]["phases"]
+    for p in ("rollout", "score", "update"):
+        assert not [i for i in ph[p]["items"] if i["role"] == "student" and "engine" in i["component"]], p
+    assert item(est, "evaluate", "rollout engine weights")  # evaluation's greedy answers build it
+    small = plan.estimate(cfg(*SEED, *off, "teacher.dense_copy=false"))
+    items = small["placements"]["resident"]["phases"]["rollout"]["items"]
+    assert not [i for i in items if "engine" in i["component"]]
+    assert item(small, "rollout", "prefill logits", role="teacher") == 4 * 128 * 49152 * 2
+    total = lambda e: e["placements"]["resident"]["phases"]["rollout"]["total_gib"] * GIB  # noqa: E731
+    # the dense copy less; transformers' buffers about the graphs they replace
+    assert abs(total(small) - (total(est) - shapes.plain_engine_bytes(T, 2, dense=True))) < 0.1 * GIB

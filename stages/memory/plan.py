@@ -126,6 +126,15 @@ def _could_merge_in_place(cfg) -> bool:
     return cfg.student.quant == "none" and not cfg.memory.merge_in_place
 
 
+def _halves(key: str, n: int, floor: int = 1) -> list:
+    """[[(key, n // 2)], [(key, n // 4)], ...] down to `floor`: one group's changes, mildest first."""
+    out, c = [], n // 2
+    while c >= max(1, floor):
+        out.append([(key, c)])
+        c //= 2
+    return out
+
+
 def _variants(cfg):
     """Groups of single changes that lower the peak, most specific first: (label, [(key, value)])."""
     if cfg.memory.placement != "auto":
@@ -134,11 +143,7 @@ def _variants(cfg):
         yield "checkpointing", [[("train.activation_checkpointing", True)]]
     if _could_merge_in_place(cfg):
         yield "in_place", [[("memory.merge_in_place", True)]]
-    chunks, c = [], cfg.train.chunk // 2
-    while c >= max(1, cfg.memory.chunk_floor):
-        chunks.append([("train.chunk", c)])
-        c //= 2
-    yield "chunk", chunks
+    yield "chunk", _halves("train.chunk", cfg.train.chunk, cfg.memory.chunk_floor)
     q = [[(f"{role}.quant", "nf4")] for role in ("student", "teacher")  # (an NF4 student is not merged in place)
          if getattr(cfg, role).quant == "none" and _bitsandbytes()
          and not (role == "student" and cfg.memory.merge_in_place)]
@@ -149,22 +154,10 @@ def _variants(cfg):
     dense = [[(f"{r}.dense_copy", False)] for r in ("student", "teacher") if getattr(cfg, r).dense_copy
              and (getattr(cfg, r).quant == "nf4" or (f"{r}.quant", "nf4") in nf4)]
     yield "quant", q + [nf4 + d for d in dense] + ([nf4 + dense[0] + dense[1]] if len(dense) == 2 else [])
-    bs, b = [], cfg.rollout.batch_size // 2
-    while b >= 1:
-        bs.append([("rollout.batch_size", b)])
-        b //= 2
-    yield "batch", bs
+    yield "batch", _halves("rollout.batch_size", cfg.rollout.batch_size)
     # evaluate: its KL chunk (the same numbers), then fewer held-out prompts at once
-    ec, c = [], cfg.eval.chunk // 2
-    while c >= max(1, cfg.memory.chunk_floor):
-        ec.append([("eval.chunk", c)])
-        c //= 2
-    yield "eval_chunk", ec
-    ne, n = [], cfg.data.num_eval // 2
-    while n >= 1:
-        ne.append([("data.num_eval", n)])
-        n //= 2
-    yield "eval_prompts", ne
+    yield "eval_chunk", _halves("eval.chunk", cfg.eval.chunk, cfg.memory.chunk_floor)
+    yield "eval_prompts", _halves("data.num_eval", cfg.data.num_eval)
 
 
 def _best_peak(cfg, shapes: dict, usable: float) -> tuple[float, str]:

@@ -245,8 +245,8 @@ class Store:
             for stale in parent.glob(f".tmp-{dig}-*"):
                 shutil.rmtree(stale, ignore_errors=True)
             tmp = parent / f".tmp-{dig}-{os.getpid()}"
-            tmp.mkdir()
-            try:
+            try:  # (the mkdir too: a SIGTERM's Interrupted can land right after it)
+                tmp.mkdir()
                 fault(f"{stage}.before", tmp)
                 t0 = time.perf_counter()
                 rest = rest if callable(rest := produce(tmp)) else None

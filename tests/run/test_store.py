@@ -245,3 +245,25 @@ def test_two_threads_join_one_early_check(tmp_path, monkeypatch):
     for t in threads:
         t.join(5)
     assert got == [True, True] and sorted(hashed) == ["config.json", "w.bin"]
+
+
+def test_an_interrupt_as_the_temp_dir_is_made_leaves_no_temp_dir(tmp_path, monkeypatch):
+    """SIGTERM raises Interrupted wherever the main thread is (stages/errors.py): also right after the
+    temp dir exists and before anything else runs. The dir goes with the abandoned stage."""
+    import signal
+    from pathlib import Path
+
+    from stages.errors import Interrupted
+
+    made = Path.mkdir
+
+    def mkdir(self, *a, **k):
+        made(self, *a, **k)
+        if ".tmp-" in self.name:
+            raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    store = Store(tmp_path)
+    with pytest.raises(Interrupted):
+        store.ensure("rollout", "d" * 32, lambda tmp: (tmp / "x").write_text("x"))
+    assert [p.name for p in (tmp_path / "store" / "rollout").iterdir() if ".tmp-" in p.name] == []

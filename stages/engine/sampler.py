@@ -32,7 +32,6 @@ from ..weights.state import state
 from .lmhead import to_host as _to_host
 
 SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
-QUANTIZED_SAMPLING = "dense_copy=false: transformers' forward over the 4-bit weights, LoRA unmerged"
 
 
 @dataclass
@@ -54,8 +53,6 @@ def supported(model) -> str | None:
     if any(decoder.bias_of(p) is not None for layer in base.model.layers
            for p in (layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)):
         return "a bias on o_proj or the MLP projections (attention_bias / mlp_bias): the fast path adds q/k/v biases only"
-    if state(base).quantized_sampling:
-        return QUANTIZED_SAMPLING
     if (getattr(base, "is_quantized", False) or getattr(base, "hf_quantizer", None) is not None) and \
             not all(decoder.is_nf4(m) for n, m in base.model.layers.named_modules()
                     if isinstance(m, torch.nn.Linear) and "lora_" not in n):
@@ -382,10 +379,12 @@ def hf_generate(model, prompts, max_new, *, eos, pad, seed, sampling: Sampling =
 
 
 def make(model, use_graphs: bool, compile: bool = False, before_capture=None):
-    """Engine for `model`, or None (with a one-line warning) when the fast path cannot run it."""
+    """Engine for `model`, or None: where the user chose transformers' sampling (an NF4 model with
+    dense_copy=false, models.mark_sampling), or with a one-line warning where the fast path cannot run it."""
+    if state(model).quantized_sampling:
+        return None
     why = supported(model)
     if why:
-        if why != QUANTIZED_SAMPLING:  # (the user's choice needs no warning)
-            print(f"warning: rollout uses the transformers fallback: {why}", file=sys.stderr)
+        print(f"warning: rollout uses the transformers fallback: {why}", file=sys.stderr)
         return None
     return Engine(model, use_graphs, compile, before_capture)

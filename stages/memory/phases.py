@@ -179,6 +179,14 @@ def _greedy(role: str, sh: Shape, quant: str, fast: bool, e: dict, s: int) -> li
              + dequant_bytes(sh, quant, B * P, s), True)]
 
 
+def _captured(role: str, sh: Shape, B: int, Pb: int, N: int, s: int, top_p: float, what: str) -> tuple:
+    """The engine's captured prefill and decode step: their static KV cache and the pool of the larger scratch."""
+    d = decode_bytes(sh, B, Pb, N, s, top_p)
+    return (role, f"captured prefill + decode graphs{what}: static KV cache [{sh.layers}, 2, {B}, {sh.kv_heads}, "
+            f"{Pb + N}, {sh.head_dim}] + the larger of the two scratches", d["kv"] + d["pick"] + max(d["prefill"], d["step"]),
+            False)
+
+
 def _call_buffers(role: str, sh: Shape, quant: str, fast: bool, graphs: bool, B: int, P: int, Pb: int, N: int,
                   s: int, top_p: float) -> list:
     """One rollout generate's own buffers: the fast engine's (none with graphs: the captured pool holds
@@ -218,9 +226,6 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
             ("student", "LoRA (fp32)", lora, False),
             ("student", "LoRA grads (fp32, kept from the last update)", lora, False),
             ("student", "AdamW moments (2 x fp32, resident between steps)", 2 * lora, False)]
-    L = Pb + N
-    d = decode_bytes(S, B, Pb, N, s, cfg.rollout.top_p)
-    kv, pick, prefill = d["kv"], d["pick"], d["prefill"]  # (activations + attention scores)
     if not x.engine:
         eng = []
     elif in_place(x):  # the student's own weights: on CUDA no copy, unless LoRA targets the head (a merged copy);
@@ -237,9 +242,7 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     big = max(i * o for i, o in S.proj().values())
     remerge = []
     if x.engine and w["cuda_graphs"]:  # the captured prefill and decode step keep their static state and pool
-        eng.append(("student", f"captured prefill + decode graphs (one pool): static KV cache [{S.layers}, 2, "
-                    f"{B}, {S.kv_heads}, {L}, {S.head_dim}] + the larger of the two scratches",
-                    kv + pick + max(prefill, d["step"]), False))
+        eng.append(_captured("student", S, B, Pb, N, s, cfg.rollout.top_p, " (one pool)"))
         if sq != "nf4":  # the captured LoRA re-merge (sampler.Engine.refresh) keeps its scratch (not under swap)
             remerge = [("student", "captured LoRA re-merge (graph pool: fp32 merge of one projection)",
                         3 * big * 4, False)]
@@ -277,10 +280,7 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
                        + ("; every projection dequantized from NF4)" if tquant == "nf4" else ")"),
                        plain_engine_bytes(T, s, dense=tquant == "nf4"), False))
         if tg:
-            d = decode_bytes(T, B, tPb, N, s, cfg.rollout.top_p)
-            ro.append(("teacher", f"captured prefill + decode graphs for this rollout: static KV cache [{T.layers}, 2, "
-                       f"{B}, {T.kv_heads}, {tPb + N}, {T.head_dim}] + the larger of the two scratches",
-                       d["kv"] + d["pick"] + max(d["prefill"], d["step"]), False))
+            ro.append(_captured("teacher", T, B, tPb, N, s, cfg.rollout.top_p, " for this rollout"))
         ro += _call_buffers("teacher", T, tquant, tf, tg, B, P, tPb, N, s, cfg.rollout.top_p)
     else:
         ro = stud + eng + ([] if moves else teach)

@@ -171,7 +171,7 @@ def _declared(stage: str, names) -> None:
 
 def quantized_sampling(c: Any, *roles: str) -> dict:
     """An NF4 role with dense_copy=false samples through transformers over its 4-bit weights, not from
-    the engine's dense copy: a key for each such role of the sampling stages (rollout, evaluate, tooleval);
+    the engine's dense copy: a key for each such role of evaluate and tooleval (rollout: its `engine` key);
     only then, so that every other digest stays what it was."""
     return {f"{r}_sampling": "nf4-transformers" for r in roles if not getattr(c, r).dense_copy}  # (validation: nf4)
 
@@ -253,9 +253,8 @@ class Chain:
             # the teacher, which no policy reaches: its identity replaces the policy's. The key only then
             role = s["rollout"].pop("sampler")
             s.update(quant(c, role))
-            if getattr(c, role).quant == "nf4" and getattr(c, role).dense_copy:  # by the engine from a dense copy
-                s["engine"] = "nf4-dequantized"
-            s.update(quantized_sampling(c, role))
+            if getattr(c, role).quant == "nf4":  # the engine's dense copy, or transformers (dense_copy=false)
+                s["engine"] = "nf4-dequantized" if getattr(c, role).dense_copy else "nf4-transformers"
             inputs = {"prompts": self.prepared["prompts"], "student": self.prepared["student"],
                       **({"policy": self.policy(k - 1)} if role == "student" else self.teacher_inputs())}
             if role != "student":

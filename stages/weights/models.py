@@ -304,7 +304,7 @@ def enable_activation_checkpointing(model, preserve_rng_state: bool) -> None:
 
 
 def mark_sampling(model, mcfg: ModelCfg) -> None:
-    """How `model` is sampled (engine/sampler.py `supported` reads it): an NF4 model with dense_copy=false
+    """How `model` is sampled (engine/sampler.py `make` reads it): an NF4 model with dense_copy=false
     through transformers over its 4-bit weights, never from a dense copy. The shared teacher's view
     (memory/placement.py) has a state of its own and gets the teacher's setting there."""
     state(model).quantized_sampling = mcfg.quant == "nf4" and not getattr(mcfg, "dense_copy", True)

@@ -42,7 +42,7 @@ class ModelState:
     # or "inference"; None: eager. A view of another model's layers takes that model's (Resident.teacher)
     compiled: str | None = None
     # an NF4 model whose ModelCfg.dense_copy is false: sampled through transformers over its 4-bit weights
-    # (engine/sampler.py `supported`), never from a dense copy
+    # (engine/sampler.py `make` builds no engine for it), never from a dense copy
     quantized_sampling: bool = False
 
     # ---- engine/graphs.py

@@ -439,10 +439,10 @@ OURS_ARMS = {
     "eager": (("runtime.compile=false",), 45),  # the decode step without torch.compile (the fallback path)
     "ckpt": (("train.activation_checkpointing=true",), 45),  # one more forward for less update-phase memory
     "nf4": (("student.quant=nf4", "teacher.quant=nf4"), 45),  # QLoRA: NF4 student (LoRA on it) and teacher
-    # the least memory: both NF4 sampled through transformers over the 4-bit weights (no dense copy),
-    # activation checkpointing and half the loss chunk
+    # the least memory: both NF4 sampled through transformers over the 4-bit weights (no dense copy), no
+    # captured graphs (their pools), activation checkpointing and half the loss chunk (what `opd plan` suggests)
     "nf4small": (("student.quant=nf4", "teacher.quant=nf4", "student.dense_copy=false", "teacher.dense_copy=false",
-                  "train.activation_checkpointing=true", "train.chunk=128"), 60),
+                  "runtime.cuda_graphs=false", "train.activation_checkpointing=true", "train.chunk=128"), 60),
     "nf4teacher": (("teacher.quant=nf4",), 45),  # bf16 student, NF4 teacher: the teacher's memory only
     "nf4teacher_ckpt": (("teacher.quant=nf4", "train.activation_checkpointing=true"), 45),  # the least memory with a bf16 student
     # the rollout samples from the student's own weights, LoRA merged in place (no engine copy)
@@ -501,7 +501,7 @@ def main(argv=None) -> int:
                          "teacher-forced forwards replayed from CUDA graphs), nographs (runtime.cuda_graphs=false), "
                          "layers (runtime.compile_layers=true: compiled decoder layers for update and score), "
                          "eager (runtime.compile=false), ckpt (activation checkpointing), nf4 (NF4 student and "
-                         "teacher; bitsandbytes), nf4small (those without dense copies, checkpointing, chunk 128), nf4teacher (NF4 teacher only), nf4teacher_ckpt (with activation checkpointing), "
+                         "teacher; bitsandbytes), nf4small (those without dense copies or graphs, checkpointing, chunk 128), nf4teacher (NF4 teacher only), nf4teacher_ckpt (with activation checkpointing), "
                          "inplace_ckpt and inplace_nf4teacher_ckpt (those with memory.merge_in_place=true), k1, "
                          "cross_same and cross_qwen (cross-tokenizer OPD against k1 with one tokenizer)")
     ap.add_argument("--ours-b", default="", help=f"our arms on workload b beside the default: {', '.join(B_ARMS)}")

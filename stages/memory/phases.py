@@ -56,6 +56,7 @@ from .shapes import (
 PHASES = ("rollout", "score", "update", "evaluate")
 LOOP = PHASES[:3]  # a training step's phases
 ENGINE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}  # stages/engine/sampler.py SUPPORTED (no torch import here)
+GRAPHED_QUANT = ("none", "nf4")  # weights whose forwards and backwards CUDA graphs capture (graphed_roles)
 ENV_TOOL_TOKENS = 32  # assumed tokens of one tool message per turn (env rollouts): the env decides
 
 
@@ -63,17 +64,18 @@ def graphed_roles(cfg, device: str) -> set[str]:
     """The roles whose teacher-forced forwards replay CUDA graphs (stages/engine/graphs.py; the plan
     and Session both ask here): runtime.cuda_graphs on CUDA, single-turn prompts (one padded length
     for the run: multi-turn episodes vary, and a capture mid-run could meet the publish thread's
-    device sync), no compiled layers (their own kernels), dense weights (bitsandbytes is not
-    captured); the student also without LoRA dropout (a capture's warm-up passes would draw from the
-    generator the update seeds). With activation checkpointing the captured backward recomputes each
+    device sync), no compiled layers (their own kernels), dense or NF4 weights (an NF4 projection is
+    a dequantize kernel and a matmul on the current stream: captured as they are; int8 is not, its
+    outlier columns are found on the host each forward); the student also without LoRA dropout (a
+    capture's warm-up passes would draw from the generator the update seeds). With activation checkpointing the captured backward recomputes each
     layer (models.enable_activation_checkpointing: no RNG state to stash without dropout). Not the
     placement: it changes nothing computed (swap frees a role's graphs before it moves and captures
     them again)."""
     env = getattr(cfg, "env", None)
     if device != "cuda" or not cfg.runtime.cuda_graphs or cfg.runtime.compile_layers or (env is not None and env.name):
         return set()
-    roles = {"teacher"} if cfg.teacher.quant == "none" else set()
-    if cfg.student.quant == "none" and not cfg.lora.dropout:
+    roles = {"teacher"} if cfg.teacher.quant in GRAPHED_QUANT else set()
+    if cfg.student.quant in GRAPHED_QUANT and not cfg.lora.dropout:
         roles.add("student")
     return roles
 

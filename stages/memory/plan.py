@@ -148,12 +148,14 @@ def _variants(cfg):
          if getattr(cfg, role).quant == "none" and _bitsandbytes()
          and not (role == "student" and cfg.memory.merge_in_place)]
     q += [q[0] + q[1]] if len(q) == 2 else []
-    # then the NF4 roles (as they are, or with the strongest change above) without their dense sampling
-    # copies (ModelCfg.dense_copy): the sampling role's in the loop, the teacher's in evaluation
+    # then the NF4 roles (as they are, or with the strongest change above) without their dense sampling copies
+    # (ModelCfg.dense_copy), last without captured graphs either (pools that keep the update's activations)
     nf4 = q[-1] if q else []
     dense = [[(f"{r}.dense_copy", False)] for r in ("student", "teacher") if getattr(cfg, r).dense_copy
              and (getattr(cfg, r).quant == "nf4" or (f"{r}.quant", "nf4") in nf4)]
-    yield "quant", q + [nf4 + d for d in dense] + ([nf4 + dense[0] + dense[1]] if len(dense) == 2 else [])
+    small = nf4 + sum(dense, [])
+    eager = [small + [("runtime.cuda_graphs", False)]] if cfg.runtime.cuda_graphs else []
+    yield "quant", q + [nf4 + d for d in dense] + ([small] if len(dense) == 2 else []) + eager
     yield "batch", _halves("rollout.batch_size", cfg.rollout.batch_size)
     # evaluate: its KL chunk (the same numbers), then fewer held-out prompts at once
     yield "eval_chunk", _halves("eval.chunk", cfg.eval.chunk, cfg.memory.chunk_floor)

@@ -84,6 +84,37 @@ def test_graphed_forward_and_backward_match_eager_and_repeat_exactly(dtype, ckpt
     assert torch.equal(hg3, hg)
 
 
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_nf4_graphs_match_eager_and_repeat_exactly(tmp_path, ckpt):
+    """An NF4 base (bitsandbytes' dequantize kernel and a matmul per projection, forward and backward)
+    replays what its eager forward computes: phases.graphed_roles captures NF4 roles."""
+    pytest.importorskip("bitsandbytes")
+    from stages.run.config import ModelCfg
+
+    tiny(initializer_range=0.05).save_pretrained(tmp_path)
+    base = models.load(tmp_path, ModelCfg(quant="nf4"), torch.device("cuda"), torch.bfloat16)
+    assert type(models.base_of(base).model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
+    m = with_trained_lora(base, scale=0.02)
+    if ckpt:
+        models.enable_activation_checkpointing(models.base_of(m), preserve_rng_state=False)
+    tol = dict(atol=2e-2, rtol=2e-2)  # bf16 compute: capture may pick other cuBLAS algorithms than eager
+    for train in (False, True):
+        for seed in (0, 1):  # the second batch replays the first's graph with new ids
+            p = _batch(seed)
+            he, ge = _hidden_and_grads(m, p, False, train)
+            hg, gg = _hidden_and_grads(m, p, True, train)
+            hg2, gg2 = _hidden_and_grads(m, p, True, train)
+            assert torch.equal(hg, hg2) and all(torch.equal(gg[k], gg2[k]) for k in gg)
+            assert torch.allclose(hg.float(), he.float(), **tol), (train, seed, (hg.float() - he.float()).abs().max())
+            if train:  # every adapter, the first layer's through the 4-bit layers above it
+                assert gg.keys() == ge.keys() and len(gg) == len(models.trainable(m))
+                for k in gg:
+                    scale = ge[k].float().abs().max().clamp_min(1e-6)
+                    assert torch.allclose(gg[k].float() / scale, ge[k].float() / scale, **tol), k
+                    assert gg[k].abs().max() > 0, k
+    assert {k[0] for k in state(m).graphs if k != "params"} == {"train", "infer"}
+
+
 def test_engine_refresh_replays_the_merge_a_fresh_engine_makes():
     m = _model(torch.bfloat16)
     eng = sampler.Engine(m, use_graphs=True)

@@ -98,8 +98,8 @@ class Engine:
         kernels per adapted projection: hundreds of launches, bound by the host when eager) is
         captured once and replayed, and a new engine's weights come from that replay too (cuBLAS may
         choose another algorithm under capture than eager): a resumed process samples from the bytes
-        an uninterrupted one refreshed to. (An NF4 base is merged eager: bitsandbytes'
-        dequantization is not captured.)"""
+        an uninterrupted one refreshed to. (An NF4 base is merged eager, as it always was: captured, the
+        merge's matmul could round otherwise, and no NF4 rollout digest says which ran.)"""
         base = models.base_of(model or self.model)
         if not self.use_graphs or self.nf4 or not any(_adapted(base)):  # (nothing to capture without LoRA)
             return self._merge(base)

@@ -1,0 +1,216 @@
+"""Bytes the update's eager backbone moves, op by op, and what fusing its pieces would save: a model,
+not a timing (no GPU needed: the student runs on meta tensors, nothing is computed).
+
+    python benchmarks/update_bytes.py --workload b [--bandwidth-gbs 2990.9] [--out benchmarks/results]
+
+The student of the workload (conf/arch shapes, bf16, LoRA r16 on 7 projections in fp32, as
+`lora.add` makes it; activation checkpointing as the workload's default run has it) runs one
+training forward and its backward in the padded layout under a dispatch mode that adds up, per
+ATen op, the bytes of its tensor inputs and outputs (views and allocations move none). That is
+each eager kernel's memory traffic: the elementwise kernels (and PEFT's skinny fp32 LoRA matmuls)
+are bound by it, so bytes over the device's copy bandwidth is their time; the base matmuls are
+bound by their FLOPs instead (benchmarks/roofline.py). Attention is counted as one fused kernel would move it
+(CUDA runs cuDNN's or the efficient SDPA; on meta tensors torch would decompose it into the math
+path, whose [B, heads, T, T] tensors no GPU run makes).
+
+Variants replace one piece with a stand-in that moves what a fused kernel would (RMSNorm: x and
+the weight in, y and one fp32 per row out; its backward x, the weight, dy and the row's fp32 in,
+dx out. The LoRA tail, PEFT's fp32 `result + B(A(x.float())) * s` cast back: x and the two factors
+in, the result out, the base output read once; its backward the same the other way), so
+the difference to the full count is what fusing that piece would save. The base matmuls stay.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+
+MOVES_NOTHING = {"view", "_unsafe_view", "detach", "expand", "transpose", "t", "slice", "select", "unsqueeze",
+                 "squeeze", "permute", "as_strided", "alias", "split", "split_with_sizes", "unbind",
+                 "_reshape_alias", "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided"}
+
+
+def _bytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name not in MOVES_NOTHING:
+            if name == "_to_copy":
+                i, o = tree_leaves(args)[0], tree_leaves(out)[0]
+                name = f"_to_copy {i.dtype} -> {o.dtype}".replace("torch.", "")
+            self.ops[name] += _bytes(tree_leaves((args, kwargs))) + _bytes(tree_leaves(out))
+            self.calls[name] += 1
+        return out
+
+
+def _fused(fwd_in, fwd_out, bwd_in, bwd_out, label):
+    """An autograd op that moves the given bytes (one fused kernel forward, one backward) and
+    returns tensors of the right shapes; counted under `label`."""
+
+    class Fused(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *xs):
+            ctx.shapes = [(x.shape, x.dtype) for x in xs]
+            COUNT.ops[label] += fwd_in + fwd_out
+            COUNT.calls[label] += 1
+            shape, kw = OUT_SHAPE[-1]
+            return torch.empty(shape, device="meta", **kw)
+
+        @staticmethod
+        def backward(ctx, g):
+            COUNT.ops[label + " backward"] += bwd_in + bwd_out
+            COUNT.calls[label + " backward"] += 1
+            return tuple(torch.empty(s, dtype=d, device="meta") for s, d in ctx.shapes)
+
+    return Fused
+
+
+COUNT: _Count
+OUT_SHAPE: list = []
+
+
+def _sdpa_stand_in(q, k, v, attn_mask=None, **_):
+    """Fused attention's traffic: q, k, v, the mask in, out and an fp32 logsumexp per row out; backward
+    q, k, v, out, d_out, the mask and the logsumexp in, dq, dk, dv out."""
+    B, H, T, D = q.shape
+    lse = B * H * T * 4
+    qkv, out, mask = _bytes([q, k, v]), q.numel() * q.element_size(), _bytes([attn_mask])
+    OUT_SHAPE.append(((B, H, T, D), {"dtype": q.dtype}))
+    f = _fused(qkv + mask, out + lse, qkv + 2 * out + mask + lse, qkv, "attention (fused)")
+    r = f.apply(q, k, v)
+    return r.to(q.dtype) if r.dtype != q.dtype else r
+
+
+def _rmsnorm_stand_in(mod):
+    def forward(x):
+        rows, w = x.numel() // x.shape[-1], _bytes([mod.weight])
+        xb = x.numel() * x.element_size()
+        OUT_SHAPE.append((tuple(x.shape), {"dtype": x.dtype}))
+        return _fused(xb + w, xb + rows * 4, 2 * xb + w + rows * 4, xb, "rmsnorm (fused)").apply(x)
+    return forward
+
+
+def _lora_stand_in(mod):
+    """PEFT's lora.Linear forward as one fused tail after the base matmul."""
+    def forward(x, *a, **k):
+        base = mod.base_layer(x)
+        name = mod.active_adapters[0]
+        A, B = mod.lora_A[name].weight, mod.lora_B[name].weight
+        xb, ob = x.numel() * x.element_size(), base.numel() * base.element_size()
+        r = x.numel() // x.shape[-1] * A.shape[0] * 4  # the [rows, r] fp32 intermediate
+        OUT_SHAPE.append((tuple(base.shape), {"dtype": base.dtype}))
+        f = _fused(xb + _bytes([A, B]) + ob + r, ob + r, ob + xb + _bytes([A, B]) + r, xb + _bytes([A, B]), "lora tail (fused)")
+        return f.apply(x, base, A, B)  # (the factors as inputs: their grads are what trains)
+    return forward
+
+
+def count(arch: str, batch: int, length: int, ckpt: bool, fuse: set[str]) -> tuple[collections.Counter, collections.Counter]:
+    """Per-op bytes and calls of one training forward + backward of `arch`'s LoRA'd backbone."""
+    global COUNT
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from stages.engine import graphs
+    from stages.run.config import ROOT as CROOT, LoraCfg
+    from stages.weights import models
+
+    spec = {k: v for k, v in json.loads((CROOT / "conf/arch" / f"{arch}.json").read_text()).items() if k != "_comment"}
+    cfg = AutoConfig.for_model(**spec)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    m.requires_grad_(False)
+    lc = LoraCfg()  # what `lora.add` builds: fp32 adapters on the bf16 base
+    p = get_peft_model(m, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=0.0, bias="none",
+                                     target_modules=list(lc.target_modules), task_type="CAUSAL_LM"))
+    for n, q in p.named_parameters():
+        if "lora_" in n:
+            q.data = torch.empty(q.shape, dtype=torch.float32, device="meta")
+    if ckpt:
+        models.enable_activation_checkpointing(models.base_of(p), preserve_rng_state=False)
+    p.train()
+    for mod in p.modules():
+        if "rmsnorm" in fuse and type(mod).__name__.endswith("RMSNorm"):
+            mod.forward = _rmsnorm_stand_in(mod)
+        if "lora" in fuse and hasattr(mod, "lora_A") and hasattr(mod, "base_layer"):
+            mod.forward = _lora_stand_in(mod)
+    inner = models.base_of(p).model
+    ids = torch.zeros(batch, length, dtype=torch.long, device="meta")
+    _, mask = graphs.padded(ids, torch.ones(batch, length, dtype=torch.long, device="meta"), length)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = _sdpa_stand_in
+    COUNT = _Count()
+    try:
+        with COUNT:
+            h = inner(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            h.backward(torch.empty_like(h))
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    return COUNT.ops, COUNT.calls
+
+
+def main(argv=None) -> int:
+    from systems import B_DEFAULT, WORKLOAD_A, WORKLOAD_B
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=("a", "b"), default="b")
+    ap.add_argument("--bandwidth-gbs", type=float, default=2990.9,
+                    help="copy bandwidth to price bytes at (default: the H100's, measured in its systems run)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    w = WORKLOAD_B if args.workload == "b" else WORKLOAD_A
+    ckpt = args.workload == "b" and "train.activation_checkpointing=true" in B_DEFAULT
+    length = -(-(w["prompt_tokens"] + w["response"]) // 64) * 64  # graphs.bucket: the padded layout
+    ms = lambda b: round(b / (args.bandwidth_gbs * 1e9) * 1e3, 1)  # noqa: E731
+    res = {"workload": args.workload, "student": w["student"], "batch": w["prompts"], "length": length,
+           "activation_checkpointing": ckpt, "bandwidth_gbs": args.bandwidth_gbs, "variants": {}}
+    for name, fuse in (("eager", set()), ("rmsnorm fused", {"rmsnorm"}), ("lora tail fused", {"lora"}),
+                       ("both fused", {"rmsnorm", "lora"})):
+        ops, calls = count(w["student"], w["prompts"], length, ckpt, fuse)
+        total = sum(ops.values())
+        eager = res["variants"].get("eager", {}).get("total_gb", total / 1e9) * 1e9
+        res["variants"][name] = {"total_gb": round(total / 1e9, 1), "saved_gb": round((eager - total) / 1e9, 1),
+                                 "saved_ms": ms(eager - total),
+                                 "top": [{"op": k, "calls": calls[k], "gb": round(b / 1e9, 1), "ms": ms(b)}
+                                         for k, b in ops.most_common(14)]}
+    lines = [f"# The update's eager traffic by op — workload {args.workload} ({w['student']}, {w['prompts']} x "
+             f"{length} positions, checkpointing {'on' if ckpt else 'off'})", "",
+             f"`python benchmarks/update_bytes.py --workload {args.workload} --bandwidth-gbs {args.bandwidth_gbs}`: "
+             "bytes each ATen op reads and writes in one training forward + backward of the LoRA'd backbone "
+             f"(meta tensors; attention as one fused kernel), priced at {args.bandwidth_gbs} GB/s. A model of the "
+             "memory traffic, not a timing.", "",
+             "| variant | GB moved | GB less than eager | that at the bandwidth, ms |", "|---|---|---|---|"]
+    for name, v in res["variants"].items():
+        lines.append(f"| {name} | {v['total_gb']} | {v['saved_gb']} | {v['saved_ms']} |")
+    lines += ["", "Eager, the ops that move the most:", "", "| op | calls | GB | ms |", "|---|---|---|---|"]
+    lines += [f"| {t['op']} | {t['calls']} | {t['gb']} | {t['ms']} |" for t in res["variants"]["eager"]["top"]]
+    print("\n".join(lines))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = args.out / f"update-bytes-{args.workload}"
+        stem.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+        stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -97,7 +97,7 @@ def table(path: Path) -> str:
             ("inplace_ckpt", "... `memory.merge_in_place=true train.activation_checkpointing=true`", mem),
             ("nf4", "NF4 student (QLoRA) + NF4 teacher (`student.quant=nf4 teacher.quant=nf4`)",
              "≤ 0.25 s/update"),
-            ("nf4small", "... sampled over the 4-bit weights, no dense copies, eager (`student.dense_copy=false "
+            ("nf4small", "... sampled over the 4-bit weights, no dense copies or captured graphs (`student.dense_copy=false "
                          "teacher.dense_copy=false runtime.cuda_graphs=false train.activation_checkpointing=true "
                          "train.chunk=128`)",
              "peak ≤ 1.6 GiB"),

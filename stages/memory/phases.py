@@ -56,7 +56,7 @@ from .shapes import (
 PHASES = ("rollout", "score", "update", "evaluate")
 LOOP = PHASES[:3]  # a training step's phases
 ENGINE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}  # stages/engine/sampler.py SUPPORTED (no torch import here)
-GRAPHED_QUANT = ("none", "nf4")  # weights whose forwards and backwards CUDA graphs capture (graphed_roles)
+GRAPHED_QUANT = ("none", "nf4")  # weights whose forwards and backwards graphs capture (graphed_roles)
 ENV_TOOL_TOKENS = 32  # assumed tokens of one tool message per turn (env rollouts): the env decides
 
 
@@ -64,10 +64,11 @@ def graphed_roles(cfg, device: str) -> set[str]:
     """The roles whose teacher-forced forwards replay CUDA graphs (stages/engine/graphs.py; the plan
     and Session both ask here): runtime.cuda_graphs on CUDA, single-turn prompts (one padded length
     for the run: multi-turn episodes vary, and a capture mid-run could meet the publish thread's
-    device sync), no compiled layers (their own kernels), dense or NF4 weights (an NF4 projection is
-    a dequantize kernel and a matmul on the current stream: captured as they are; int8 is not, its
-    outlier columns are found on the host each forward); the student also without LoRA dropout (a
-    capture's warm-up passes would draw from the generator the update seeds). With activation checkpointing the captured backward recomputes each
+    device sync), no compiled layers (their own kernels), dense or NF4 weights (bitsandbytes' 4-bit
+    kernels, a dequantize and a matmul or its fused 4-bit GEMM, launch on the current stream with no
+    host sync: captured as they are; int8 finds its outlier columns on the host each forward); the
+    student also without LoRA dropout (a capture's warm-up passes would draw from the generator the
+    update seeds). With activation checkpointing the captured backward recomputes each
     layer (models.enable_activation_checkpointing: no RNG state to stash without dropout). Not the
     placement: it changes nothing computed (swap frees a role's graphs before it moves and captures
     them again)."""
@@ -262,12 +263,16 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     saved = t * (S.layers * a + 4 * S.hidden)  # the student's saved activations (update)
     ckpt = getattr(cfg.train, "activation_checkpointing", False)
     ck_inputs = t * (S.layers * S.hidden * s + 4 * S.hidden)  # checkpointed: each layer keeps only its input
-    t_pool_all = [("teacher", "captured scoring forward (graph pool: activations + hidden states)", t_fwd, False)] \
+    # a graphed NF4 role's pool keeps the dequantized projection its capture allocated, too
+    t_dq, s_dq = dequant_bytes(T, tquant, t, s), dequant_bytes(S, sq, t, s)
+    t_pool_all = [("teacher", "captured scoring forward (graph pool: activations + hidden states"
+                   + (" + a dequantized projection)" if tquant == "nf4" else ")"), t_fwd + t_dq, False)] \
         if "teacher" in graphed_all else []
     held, what = (ck_inputs + t * a, "checkpointed layer inputs + one layer recomputed") if ckpt else \
         (saved, "saved activations")
-    s_pool_all = [("student", f"captured update forward + backward (graph pool: {what} + backward scratch)",
-                   held + scratch, False)] if "student" in graphed_all else []
+    s_pool_all = [("student", f"captured update forward + backward (graph pool: {what} + backward scratch"
+                   + (" + a dequantized projection)" if sq == "nf4" else ")"), held + scratch + s_dq, False)] \
+        if "student" in graphed_all else []
     t_pool, s_pool = ([], []) if moves else (t_pool_all, s_pool_all)
     out: dict[str, list] = {}
 
@@ -296,7 +301,7 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     sc += s_pool + [("teacher", f"logits chunk [{c}, {V}] fp32 x3 (log_softmax, exp, entropy term)", 3 * c * V * 4, True),
                     ("teacher", f"selected hidden states [{n}, H]", n * T.hidden * s, False),
                     ("teacher", "log-probs, entropy, top-k ids and log-probs", n * (8 + 12 * k), False),
-                    ("teacher", "quantized matmul scratch", dequant_bytes(T, tquant, t, s), False)]
+                    ("teacher", "quantized matmul scratch", 0 if t_pool else t_dq, False)]
     out["score"] = sc
 
     full = "full" in objectives.needs(cfg.objective)
@@ -311,7 +316,7 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
                ("student", "backward scratch (one layer)", scratch, True)]
     up += [("student", f"loss chunk [{c}, {V}] fp32 x4" + (" + teacher logits" if full else "")
             + f" + hidden-state grad [{n}, H]", (5 if full else 4) * c * V * 4 + n * S.hidden * s, True),
-           ("student", "quantized matmul scratch", dequant_bytes(S, sq, t, s), False)]
+           ("student", "quantized matmul scratch", 0 if s_pool else s_dq, False)]
     out["update"] = up
 
     # evaluate (stages/evaluate.py): the loop's holdings stay (every placement: see the docstring), the

@@ -14,6 +14,7 @@ instead.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 import sys
 
@@ -144,18 +145,19 @@ def _variants(cfg):
     if _could_merge_in_place(cfg):
         yield "in_place", [[("memory.merge_in_place", True)]]
     yield "chunk", _halves("train.chunk", cfg.train.chunk, cfg.memory.chunk_floor)
-    q = [[(f"{role}.quant", "nf4")] for role in ("student", "teacher")  # (an NF4 student is not merged in place)
-         if getattr(cfg, role).quant == "none" and _bitsandbytes()
-         and not (role == "student" and cfg.memory.merge_in_place)]
+    q = [[(f"{role}.quant", "nf4")] for role in ("student", "teacher") if getattr(cfg, role).quant == "none"
+         and _bitsandbytes() and not (role == "student" and cfg.memory.merge_in_place)]  # (NF4: not merged in place)
     q += [q[0] + q[1]] if len(q) == 2 else []
-    # then the NF4 roles (as they are, or with the strongest change above) without their dense sampling copies
-    # (ModelCfg.dense_copy), last without captured graphs either (pools that keep the update's activations)
+    # then the NF4 roles smaller, cheapest first: the teacher without its dense sampling copy (evaluation's only),
+    # no captured graphs (pools holding activations: a slower update), the student's copy (a far slower rollout)
     nf4 = q[-1] if q else []
-    dense = [[(f"{r}.dense_copy", False)] for r in ("student", "teacher") if getattr(cfg, r).dense_copy
-             and (getattr(cfg, r).quant == "nf4" or (f"{r}.quant", "nf4") in nf4)]
-    small = nf4 + sum(dense, [])
-    eager = [small + [("runtime.cuda_graphs", False)]] if cfg.runtime.cuda_graphs else []
-    yield "quant", q + [nf4 + d for d in dense] + ([small] if len(dense) == 2 else []) + eager
+    small = {r: getattr(cfg, r).quant == "nf4" or (f"{r}.quant", "nf4") in nf4 for r in ("student", "teacher")}
+    t, st = ([(f"{r}.dense_copy", False)] if small[r] and getattr(cfg, r).dense_copy else []
+             for r in ("teacher", "student"))
+    g = [("runtime.cuda_graphs", False)] if any(small.values()) and cfg.runtime.cuda_graphs \
+        and _target(cfg)[0] == "cuda" else []
+    ladder = [nf4 + t, nf4 + t + g, nf4 + t + st, nf4 + t + st + g]
+    yield "quant", q + [r for i, r in enumerate(ladder) if r != nf4 and r not in ladder[:i]]
     yield "batch", _halves("rollout.batch_size", cfg.rollout.batch_size)
     # evaluate: its KL chunk (the same numbers), then fewer held-out prompts at once
     yield "eval_chunk", _halves("eval.chunk", cfg.eval.chunk, cfg.memory.chunk_floor)
@@ -202,8 +204,6 @@ def _gib(b: float) -> float:
 
 
 def _bitsandbytes() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("bitsandbytes") is not None
 
 

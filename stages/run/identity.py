@@ -79,8 +79,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
                           "student.dense_copy") + RUNTIME,
           ("policy", "policy_stage", "tasks", "student"), None),
     # probe 2: peaks exclude what the process held on the device before the probe loaded its models;
-    # 3: the score and update forwards replay CUDA graphs (runtime.cuda_graphs)
-    Stage("probe", 3, ("lora.r", "lora.target_modules", "objective.name", "objective.topk", "memory.vram_gib",
+    # 3: the score and update forwards replay CUDA graphs (runtime.cuda_graphs); 4: NF4 roles' too
+    Stage("probe", 4, ("lora.r", "lora.target_modules", "objective.name", "objective.topk", "memory.vram_gib",
                        "runtime.cuda_graphs"),
           (), None),
 )}

@@ -84,15 +84,18 @@ def test_graphed_forward_and_backward_match_eager_and_repeat_exactly(dtype, ckpt
     assert torch.equal(hg3, hg)
 
 
-@pytest.mark.parametrize("ckpt", [False, True])
-def test_nf4_graphs_match_eager_and_repeat_exactly(tmp_path, ckpt):
-    """An NF4 base (bitsandbytes' dequantize kernel and a matmul per projection, forward and backward)
-    replays what its eager forward computes: phases.graphed_roles captures NF4 roles."""
+@pytest.mark.parametrize("ckpt,double_quant,inter", [(False, False, 128), (True, False, 128), (False, True, 192)])
+def test_nf4_graphs_match_eager_and_repeat_exactly(tmp_path, ckpt, double_quant, inter):
+    """An NF4 base (bitsandbytes' kernels per projection, forward and backward) replays what its eager
+    forward computes: phases.graphed_roles captures NF4 roles. inter=192: gate/up of 64 -> 192 take
+    bitsandbytes' fused 4-bit GEMM in the no-grad forward at these 192 rows on Hopper (its heuristic
+    for short K), the dequantize + matmul fallback elsewhere; double_quant: the nested scales."""
     pytest.importorskip("bitsandbytes")
     from stages.run.config import ModelCfg
 
-    tiny(initializer_range=0.05).save_pretrained(tmp_path)
-    base = models.load(tmp_path, ModelCfg(quant="nf4"), torch.device("cuda"), torch.bfloat16)
+    tiny(initializer_range=0.05, intermediate_size=inter).save_pretrained(tmp_path)
+    base = models.load(tmp_path, ModelCfg(quant="nf4", double_quant=double_quant), torch.device("cuda"),
+                       torch.bfloat16)
     assert type(models.base_of(base).model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
     m = with_trained_lora(base, scale=0.02)
     if ckpt:

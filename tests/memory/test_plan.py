@@ -223,10 +223,31 @@ def test_totals_are_the_sum_of_their_items():
                               "train.chunk=128", "data.num_eval=4", "eval.max_new_tokens=8", "memory.placement=resident"))
     assert not tight["feasible"] and [t["set"] for t in tight["suggestions"]] == \
         [{"student.dense_copy": False, "teacher.dense_copy": False, "runtime.cuda_graphs": False}]
-    assert "fits with: student.dense_copy=false teacher.dense_copy=false runtime.cuda_graphs=false (1.65 GiB, " \
+    assert "fits with: teacher.dense_copy=false student.dense_copy=false runtime.cuda_graphs=false (1.65 GiB, " \
         "resident)" in \
         plan.infeasible_message(tight)
     assert total(small, "evaluate") < total(est, "evaluate") - copy - t_copy
+
+
+def test_nf4_rungs_keep_the_students_sampling_copy_while_cheaper_changes_fit(monkeypatch):
+    """The NF4 ladder, cheapest first: the teacher's dense copy (evaluation's), then the captured graphs,
+    the student's copy (its rollout) last. At 3.5 GiB the seed pair fits as NF4 without the teacher's
+    copy and without graphs, and keeps the student's fast sampler; graphs off is never offered alone."""
+    over = [*[o for o in SEED if not o.startswith("memory.vram")], "memory.vram_gib=3.5",
+            "train.activation_checkpointing=true", "memory.placement=resident"]
+    est = plan.estimate(cfg(*over))
+    want = {"student.quant": "nf4", "teacher.quant": "nf4", "teacher.dense_copy": False, "runtime.cuda_graphs": False}
+    assert [t["set"] for t in est["suggestions"]] == [want]
+    assert est["suggestions"][0]["peak_gib"] <= 3.5 * 0.9
+    rungs = [dict(c) for label, g in plan._variants(cfg(*over)) if label == "quant" for c in g]
+    assert rungs.index(want) < rungs.index({**want, "student.dense_copy": False})
+    # without bitsandbytes no NF4 rung, and no rung of graphs off alone
+    monkeypatch.setattr(plan, "_bitsandbytes", lambda: False)
+    assert [c for label, g in plan._variants(cfg(*over)) if label == "quant" for c in g] == []
+    # on the CPU graphs change nothing: not offered
+    cpu = [o.replace("runtime.device=cuda", "runtime.device=cpu") for o in over]
+    assert not any("runtime.cuda_graphs" in dict(c) for _, g in plan._variants(cfg(*cpu, "student.quant=nf4"))
+                   for c in g)
 
 
 def test_activation_formula_matches_autograd_saved_tensors():

@@ -1,7 +1,7 @@
 """Bytes the update's eager backbone moves, op by op, and what fusing its pieces would save: a model,
 not a timing (no GPU needed: the student runs on meta tensors, nothing is computed).
 
-    python benchmarks/update_bytes.py --workload b [--bandwidth-gbs 2990.9] [--out benchmarks/results]
+    python benchmarks/update_bytes.py --workload b [--phase update|score] [--bandwidth-gbs 2990.9] [--out DIR]
 
 The student of the workload (conf/arch shapes, bf16, LoRA r16 on 7 projections in fp32, as
 `lora.add` makes it; activation checkpointing as the workload's default run has it) runs one
@@ -123,8 +123,10 @@ def _lora_stand_in(mod):
     return forward
 
 
-def count(arch: str, batch: int, length: int, ckpt: bool, fuse: set[str]) -> tuple[collections.Counter, collections.Counter]:
-    """Per-op bytes and calls of one training forward + backward of `arch`'s LoRA'd backbone."""
+def count(arch: str, batch: int, length: int, ckpt: bool, fuse: set[str],
+          train: bool = True) -> tuple[collections.Counter, collections.Counter]:
+    """Per-op bytes and calls of one training forward + backward of `arch`'s LoRA'd backbone (train), or
+    of its no-grad forward without adapters (the teacher's scoring forward)."""
     global COUNT
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -139,15 +141,17 @@ def count(arch: str, batch: int, length: int, ckpt: bool, fuse: set[str]) -> tup
     with torch.device("meta"):
         m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     m.requires_grad_(False)
+    if not train:
+        m.eval()
     lc = LoraCfg()  # what `lora.add` builds: fp32 adapters on the bf16 base
     p = get_peft_model(m, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=0.0, bias="none",
-                                     target_modules=list(lc.target_modules), task_type="CAUSAL_LM"))
+                                     target_modules=list(lc.target_modules), task_type="CAUSAL_LM")) if train else m
     for n, q in p.named_parameters():
         if "lora_" in n:
             q.data = torch.empty(q.shape, dtype=torch.float32, device="meta")
     if ckpt:
         models.enable_activation_checkpointing(models.base_of(p), preserve_rng_state=False)
-    p.train()
+    p.train(train)
     for mod in p.modules():
         if "rmsnorm" in fuse and type(mod).__name__.endswith("RMSNorm"):
             mod.forward = _rmsnorm_stand_in(mod)
@@ -160,9 +164,10 @@ def count(arch: str, batch: int, length: int, ckpt: bool, fuse: set[str]) -> tup
     torch.nn.functional.scaled_dot_product_attention = _sdpa_stand_in
     COUNT = _Count()
     try:
-        with COUNT:
+        with COUNT, torch.set_grad_enabled(train):
             h = inner(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-            h.backward(torch.empty_like(h))
+            if train:
+                h.backward(torch.empty_like(h))
     finally:
         torch.nn.functional.scaled_dot_product_attention = sdpa
     return COUNT.ops, COUNT.calls
@@ -173,29 +178,36 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=("a", "b"), default="b")
+    ap.add_argument("--phase", choices=("update", "score"), default="update",
+                    help="score: the teacher's no-grad forward (no adapters, no backward)")
     ap.add_argument("--bandwidth-gbs", type=float, default=2990.9,
                     help="copy bandwidth to price bytes at (default: the H100's, measured in its systems run)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     w = WORKLOAD_B if args.workload == "b" else WORKLOAD_A
-    ckpt = args.workload == "b" and "train.activation_checkpointing=true" in B_DEFAULT
+    train = args.phase == "update"
+    ckpt = train and args.workload == "b" and "train.activation_checkpointing=true" in B_DEFAULT
+    arch = w["student"] if train else w["teacher"]
     length = -(-(w["prompt_tokens"] + w["response"]) // 64) * 64  # graphs.bucket: the padded layout
     ms = lambda b: round(b / (args.bandwidth_gbs * 1e9) * 1e3, 1)  # noqa: E731
-    res = {"workload": args.workload, "student": w["student"], "batch": w["prompts"], "length": length,
+    res = {"workload": args.workload, "phase": args.phase, "model": arch, "batch": w["prompts"], "length": length,
            "activation_checkpointing": ckpt, "bandwidth_gbs": args.bandwidth_gbs, "variants": {}}
-    for name, fuse in (("eager", set()), ("rmsnorm fused", {"rmsnorm"}), ("lora tail fused", {"lora"}),
-                       ("both fused", {"rmsnorm", "lora"})):
-        ops, calls = count(w["student"], w["prompts"], length, ckpt, fuse)
+    variants = (("eager", set()), ("rmsnorm fused", {"rmsnorm"}), ("lora tail fused", {"lora"}),
+                ("both fused", {"rmsnorm", "lora"}))
+    for name, fuse in variants if train else variants[:2]:
+        ops, calls = count(arch, w["prompts"], length, ckpt, fuse, train)
         total = sum(ops.values())
         eager = res["variants"].get("eager", {}).get("total_gb", total / 1e9) * 1e9
         res["variants"][name] = {"total_gb": round(total / 1e9, 1), "saved_gb": round((eager - total) / 1e9, 1),
                                  "saved_ms": ms(eager - total),
                                  "top": [{"op": k, "calls": calls[k], "gb": round(b / 1e9, 1), "ms": ms(b)}
                                          for k, b in ops.most_common(14)]}
-    lines = [f"# The update's eager traffic by op — workload {args.workload} ({w['student']}, {w['prompts']} x "
+    what = ("one training forward + backward of the LoRA'd backbone" if train else
+            "the teacher's no-grad forward (no adapters)")
+    lines = [f"# The {args.phase}'s eager traffic by op — workload {args.workload} ({arch}, {w['prompts']} x "
              f"{length} positions, checkpointing {'on' if ckpt else 'off'})", "",
-             f"`python benchmarks/update_bytes.py --workload {args.workload} --bandwidth-gbs {args.bandwidth_gbs}`: "
-             "bytes each ATen op reads and writes in one training forward + backward of the LoRA'd backbone "
+             f"`python benchmarks/update_bytes.py --workload {args.workload} --phase {args.phase} --bandwidth-gbs "
+             f"{args.bandwidth_gbs}`: bytes each ATen op reads and writes in {what} "
              f"(meta tensors; attention as one fused kernel), priced at {args.bandwidth_gbs} GB/s. A model of the "
              "memory traffic, not a timing.", "",
              "| variant | GB moved | GB less than eager | that at the bandwidth, ms |", "|---|---|---|---|"]
@@ -206,7 +218,7 @@ def main(argv=None) -> int:
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"update-bytes-{args.workload}"
+        stem = args.out / f"{args.phase}-bytes-{args.workload}"
         stem.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
         stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0

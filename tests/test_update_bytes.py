@@ -1,0 +1,28 @@
+"""benchmarks/update_bytes.py, the byte model of the update and the scoring forward: a fused stand-in
+moves fewer bytes than the eager pieces it replaces, attention is one fused kernel per layer each way,
+and the scoring forward (no grad, no adapters) has no backward."""
+from __future__ import annotations
+
+import sys
+
+from support import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import update_bytes  # noqa: E402
+
+
+def test_fused_pieces_move_fewer_bytes_and_attention_runs_once_per_layer():
+    L = 2  # conf/arch/tiny-llama.json
+    totals = {}
+    for name, fuse in (("eager", set()), ("norm", {"rmsnorm"}), ("lora", {"lora"}), ("both", {"rmsnorm", "lora"})):
+        ops, calls = update_bytes.count("tiny-llama", 2, 64, False, fuse)
+        assert calls["attention (fused)"] == calls["attention (fused) backward"] == L
+        assert not {"bmm", "_safe_softmax"} & set(calls)  # (the math path's [B, H, T, T] never counted)
+        totals[name] = sum(ops.values())
+    assert totals["eager"] > totals["norm"] > totals["both"] and totals["eager"] > totals["lora"] > totals["both"]
+    # checkpointing recomputes each layer's forward in the backward: attention's forward twice per layer
+    _, calls = update_bytes.count("tiny-llama", 2, 64, True, set())
+    assert calls["attention (fused)"] == 2 * L
+    ops, calls = update_bytes.count("tiny-llama", 2, 64, False, set(), train=False)
+    assert calls["attention (fused)"] == L and "attention (fused) backward" not in calls
+    assert 0 < sum(ops.values()) < totals["eager"] / 2

@@ -62,9 +62,9 @@ class _Count(TorchDispatchMode):
         return out
 
 
-def _fused(fwd_in, fwd_out, bwd_in, bwd_out, label):
-    """An autograd op that moves the given bytes (one fused kernel forward, one backward) and
-    returns tensors of the right shapes; counted under `label`."""
+def _fused(label, like, fwd_in, fwd_out, bwd_in, bwd_out):
+    """An autograd op that moves the given bytes (one fused kernel forward, one backward), counted
+    under `label`; its output is shaped like `like`, its input grads like its inputs."""
 
     class Fused(torch.autograd.Function):
         @staticmethod
@@ -72,8 +72,7 @@ def _fused(fwd_in, fwd_out, bwd_in, bwd_out, label):
             ctx.shapes = [(x.shape, x.dtype) for x in xs]
             COUNT.ops[label] += fwd_in + fwd_out
             COUNT.calls[label] += 1
-            shape, kw = OUT_SHAPE[-1]
-            return torch.empty(shape, device="meta", **kw)
+            return torch.empty_like(like)
 
         @staticmethod
         def backward(ctx, g):
@@ -84,28 +83,24 @@ def _fused(fwd_in, fwd_out, bwd_in, bwd_out, label):
     return Fused
 
 
-COUNT: _Count
-OUT_SHAPE: list = []
+COUNT: _Count  # the current count (`count`), which the stand-ins add to
 
 
 def _sdpa_stand_in(q, k, v, attn_mask=None, **_):
     """Fused attention's traffic: q, k, v, the mask in, out and an fp32 logsumexp per row out; backward
-    q, k, v, out, d_out, the mask and the logsumexp in, dq, dk, dv out."""
-    B, H, T, D = q.shape
+    q, k, v, out, d_out, the mask and the logsumexp in, dq, dk, dv out. The output keeps q's layout, as
+    CUDA's fused kernels return it (transformers' transpose back then copies nothing)."""
+    B, H, T, _ = q.shape
     lse = B * H * T * 4
     qkv, out, mask = _bytes([q, k, v]), q.numel() * q.element_size(), _bytes([attn_mask])
-    OUT_SHAPE.append(((B, H, T, D), {"dtype": q.dtype}))
-    f = _fused(qkv + mask, out + lse, qkv + 2 * out + mask + lse, qkv, "attention (fused)")
-    r = f.apply(q, k, v)
-    return r.to(q.dtype) if r.dtype != q.dtype else r
+    return _fused("attention (fused)", q, qkv + mask, out + lse, qkv + 2 * out + mask + lse, qkv).apply(q, k, v)
 
 
 def _rmsnorm_stand_in(mod):
     def forward(x):
         rows, w = x.numel() // x.shape[-1], _bytes([mod.weight])
         xb = x.numel() * x.element_size()
-        OUT_SHAPE.append((tuple(x.shape), {"dtype": x.dtype}))
-        return _fused(xb + w, xb + rows * 4, 2 * xb + w + rows * 4, xb, "rmsnorm (fused)").apply(x)
+        return _fused("rmsnorm (fused)", x, xb + w, xb + rows * 4, 2 * xb + w + rows * 4, xb).apply(x)
     return forward
 
 
@@ -117,8 +112,8 @@ def _lora_stand_in(mod):
         A, B = mod.lora_A[name].weight, mod.lora_B[name].weight
         xb, ob = x.numel() * x.element_size(), base.numel() * base.element_size()
         r = x.numel() // x.shape[-1] * A.shape[0] * 4  # the [rows, r] fp32 intermediate
-        OUT_SHAPE.append((tuple(base.shape), {"dtype": base.dtype}))
-        f = _fused(xb + _bytes([A, B]) + ob + r, ob + r, ob + xb + _bytes([A, B]) + r, xb + _bytes([A, B]), "lora tail (fused)")
+        ab = _bytes([A, B])
+        f = _fused("lora tail (fused)", base, xb + ab + ob + r, ob + r, ob + xb + ab + r, xb + ab)
         return f.apply(x, base, A, B)  # (the factors as inputs: their grads are what trains)
     return forward
 
@@ -132,10 +127,10 @@ def count(arch: str, batch: int, length: int, ckpt: bool, fuse: set[str],
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from stages.engine import graphs
-    from stages.run.config import ROOT as CROOT, LoraCfg
+    from stages.run.config import LoraCfg
     from stages.weights import models
 
-    spec = {k: v for k, v in json.loads((CROOT / "conf/arch" / f"{arch}.json").read_text()).items() if k != "_comment"}
+    spec = {k: v for k, v in models.arch_config(arch).items() if k != "_comment"}
     cfg = AutoConfig.for_model(**spec)
     cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
@@ -176,6 +171,8 @@ def count(arch: str, batch: int, length: int, ckpt: bool, fuse: set[str],
 def main(argv=None) -> int:
     from systems import B_DEFAULT, WORKLOAD_A, WORKLOAD_B
 
+    from stages.engine import graphs
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=("a", "b"), default="b")
     ap.add_argument("--phase", choices=("update", "score"), default="update",
@@ -188,7 +185,7 @@ def main(argv=None) -> int:
     train = args.phase == "update"
     ckpt = train and args.workload == "b" and "train.activation_checkpointing=true" in B_DEFAULT
     arch = w["student"] if train else w["teacher"]
-    length = -(-(w["prompt_tokens"] + w["response"]) // 64) * 64  # graphs.bucket: the padded layout
+    length = graphs.bucket(w["prompt_tokens"] + w["response"])  # the padded layout
     ms = lambda b: round(b / (args.bandwidth_gbs * 1e9) * 1e3, 1)  # noqa: E731
     res = {"workload": args.workload, "phase": args.phase, "model": arch, "batch": w["prompts"], "length": length,
            "activation_checkpointing": ckpt, "bandwidth_gbs": args.bandwidth_gbs, "variants": {}}

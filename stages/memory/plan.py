@@ -154,8 +154,7 @@ def _variants(cfg):
     small = {r: getattr(cfg, r).quant == "nf4" or (f"{r}.quant", "nf4") in nf4 for r in ("student", "teacher")}
     t, st = ([(f"{r}.dense_copy", False)] if small[r] and getattr(cfg, r).dense_copy else []
              for r in ("teacher", "student"))
-    g = [("runtime.cuda_graphs", False)] if any(small.values()) and cfg.runtime.cuda_graphs \
-        and _target(cfg)[0] == "cuda" else []
+    g = [("runtime.cuda_graphs", False)] if any(small.values()) and graphed_roles(cfg, _target(cfg)[0]) else []
     ladder = [nf4 + t, nf4 + t + g, nf4 + t + st, nf4 + t + st + g]
     yield "quant", q + [r for i, r in enumerate(ladder) if r != nf4 and r not in ladder[:i]]
     yield "batch", _halves("rollout.batch_size", cfg.rollout.batch_size)

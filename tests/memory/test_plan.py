@@ -244,10 +244,11 @@ def test_nf4_rungs_keep_the_students_sampling_copy_while_cheaper_changes_fit(mon
     # without bitsandbytes no NF4 rung, and no rung of graphs off alone
     monkeypatch.setattr(plan, "_bitsandbytes", lambda: False)
     assert [c for label, g in plan._variants(cfg(*over)) if label == "quant" for c in g] == []
-    # on the CPU graphs change nothing: not offered
+    # where no role replays graphs (the CPU; compiled layers) turning them off is not offered
     cpu = [o.replace("runtime.device=cuda", "runtime.device=cpu") for o in over]
-    assert not any("runtime.cuda_graphs" in dict(c) for _, g in plan._variants(cfg(*cpu, "student.quant=nf4"))
-                   for c in g)
+    for no_graphs in (cfg(*cpu, "student.quant=nf4"), cfg(*over, "student.quant=nf4", "runtime.compile_layers=true")):
+        assert not any("runtime.cuda_graphs" in dict(c) for _, g in plan._variants(no_graphs) for c in g)
+    assert any("runtime.cuda_graphs" in dict(c) for _, g in plan._variants(cfg(*over, "student.quant=nf4")) for c in g)
 
 
 def test_activation_formula_matches_autograd_saved_tensors():

@@ -4,7 +4,7 @@ py-spy (a sampling profiler: unlike cProfile it does not slow each Python call, 
 calls through torch's dispatcher keep their real proportions).
 
     python benchmarks/first_update.py --tokenizer DIR --out DIR [--runs 2] [--sampler py-spy|py-spy-gil] [--smoke]
-        [--against runtime.warmup=false] [--against-tree DIR] [--cold]
+        [--workload a|b] [--against runtime.warmup=false] [--against-tree DIR] [--cold]
     python benchmarks/first_update.py --explain FILE.pyspy.gz --under 'make_graphed_callables' [--under ...] [--imports]
 
 Writes <out>/first-update.json and .md: per process its wall time, `first_update_s` and
@@ -222,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sampler", choices=["py-spy", "py-spy-gil", "none"], default="py-spy",
                     help="for the last process (py-spy-gil: the lock holder's stacks alone)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random models (the driver end to end)")
+    ap.add_argument("--workload", choices=["a", "b"], default="a",
+                    help="b: workload b's models and batch, with its default settings (systems.B_DEFAULT)")
     ap.add_argument("--set", action="append", default=[], help="more overrides for our runs (key=value)")
     ap.add_argument("--against", action="append", default=[],
                     help="overrides (key=value) of a comparison set of processes, interleaved with ours")
@@ -242,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--tokenizer and --out are needed to measure")
     if args.smoke:
         systems.DEVICE = "cpu"
-    w = systems.WORKLOAD_SMOKE if args.smoke else systems.WORKLOAD_A
+    w = systems.WORKLOAD_SMOKE if args.smoke else systems.WORKLOAD_B if args.workload == "b" else systems.WORKLOAD_A
+    if args.workload == "b":  # b's settings first: --set and --against come after them and win
+        args.set = [*systems.B_DEFAULT, *args.set]
     work = Path(tempfile.mkdtemp(prefix="opd-first-"))
     tok = str(Path(args.tokenizer).resolve())
     import torch

@@ -21,13 +21,11 @@
 # identity tests ~120 + 85 s of it), 227 s since the processes keep their bytecode (b1bed9b, without
 # the compile-layers test); bench: seed models ~30 s, ours ~45 s per arm (default, eager,
 # ckpt), TRL ~50 s, miniVERL at --peer-updates 3: hf_reference ~100 s, hf_cached ~45 s, the compiled
-# arm >128 s (never finished in its share), workload b ~40 s of seed + ~60 s. `all` does not fit one
-# 600 s call: run `tests` and `bench` as two calls (bench with OPD_DEADLINE_S=555 and timeout 600),
-# or drop arms through OPD_BENCH_EXTRA (e.g. "--workload b" alone: ~4 min).
-# With the decoder layers compiled (2026-12-01, runtime.compile) each test process compiles on a cold
-# cache and the GPU tests outgrow one 600 s call: split them with OPD_TESTS, e.g.
-# "tests/gpu/test_gpu_identity.py tests/gpu/test_gpu_replay.py" and the rest: "tests
-# --ignore=tests/gpu/test_gpu_identity.py --ignore=tests/gpu/test_gpu_replay.py".
+# arm >128 s (never finished in its share), workload b ~40 s of seed + ~60 s. With the tests in five
+# groups side by side (below), `all` is meant to fit one 600 s call with the benchmark's arms cut to
+# what is left (OPD_DEADLINE_S=560; OPD_BENCH_EXTRA, e.g. "--ours default,nf4 --peers trl"); the whole
+# benchmark still needs its own call (`bench`, OPD_DEADLINE_S=555 and timeout 600).
+# OPD_TESTS: a subset of the GPU tests in one process (pytest paths and options).
 # OPD_TESTS_K: a pytest -k expression for the GPU tests (OPD_TESTS splits on spaces: a -k expression with
 # spaces in it there selects nothing; 2026-12-04, 15847d0's call ran no test that way).
 # OPD_BENCH_EXTRA: more systems.py options, later ones win (e.g. "--ours default --peers miniverl").
@@ -41,7 +39,7 @@
 # yet under the deadline's check, ran the call past 600 s).
 # The device copy's .git is not refreshed with the work tree (2026-12-01: `git rev-parse HEAD` there
 # printed the session's first commit in every call): name the commit that ran from here, not from it.
-# At most 8 files come back from $OUT: env.txt, gpu-tests-part{1,2}.log (gpu-tests.log with OPD_TESTS), gpu-replay.json, systems.log,
+# At most 8 files come back from $OUT: env.txt, gpu-tests.log, gpu-replay.json, systems.log,
 # profile.txt, systems/<date>-<gpu>-systems.{json,md}; `first`: env.txt, first.log,
 # first/first-update.{json,md,pyspy.gz} (133 s on a fresh machine, 2026-12-02).
 set -uo pipefail
@@ -91,30 +89,42 @@ if [ "$what" = sdpa ]; then
   python3 benchmarks/sdpa_first_call.py --out "$out/sdpa" 2>&1 | tee "$out/sdpa.log" | tail -20
   rc=${PIPESTATUS[0]}
 fi
-# The GPU tests in two halves run side by side (each alone took ~385 and ~300 s on an H100; the GPU and
-# the 16 cores hold both): the files that build and replay whole runs, and the rest.
-heavy="tests/test_placement.py tests/gpu/test_gpu_replay.py tests/gpu/test_gpu_identity.py tests/gpu/test_gpu_cross.py
-  tests/gpu/test_gpu_warmup.py tests/gpu/test_gpu_families.py tests/gpu/test_gpu_optimizer.py tests/gpu/test_gpu_lora.py
-  tests/gpu/test_gpu_offpolicy.py"
-gpu_tests() {  # $1: log name, then pytest paths/options
+# The GPU tests in five groups run side by side (the GPU and the 16 cores hold them; alone, the files
+# took 429 s one after another in the heaviest half and 230 s in the other on an H100), balanced by
+# those files' durations, so that `all` (tests, then the benchmark) fits one 600 s call; their logs
+# end up in one file, gpu-tests.log, one section per group.
+groups=(
+  "tests/gpu/test_gpu_cross.py tests/gpu/test_gpu_identity.py tests/gpu/test_gpu_lora.py tests/gpu/test_gpu_optimizer.py"
+  "tests/gpu/test_gpu_warmup.py tests/gpu/test_gpu_replay.py tests/gpu/test_gpu_offpolicy.py"
+  "tests/gpu/test_gpu_families.py tests/test_placement.py"
+  "tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_graphs.py"
+)
+gpu_tests() {  # $1: log file, then pytest paths/options
   local log=$1; shift
   # shellcheck disable=SC2086
   OPD_GPU_RECORD="$out/gpu-replay.json" python3 -m pytest -q -m gpu -p no:cacheprovider "$@" \
-    ${OPD_TESTS_K:+-k "$OPD_TESTS_K"} >"$out/$log" 2>&1
+    ${OPD_TESTS_K:+-k "$OPD_TESTS_K"} >"$log" 2>&1
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
   if [ -n "${OPD_TESTS:-}" ]; then  # pytest paths/options: a subset, in one process
     # shellcheck disable=SC2086
-    gpu_tests gpu-tests.log $OPD_TESTS; rc=$?
+    gpu_tests "$out/gpu-tests.log" $OPD_TESTS; rc=$?
     tail -25 "$out/gpu-tests.log"
   else
-    # shellcheck disable=SC2086
-    gpu_tests gpu-tests-part1.log $heavy & p1=$!
-    # shellcheck disable=SC2086
-    gpu_tests gpu-tests-part2.log tests $(printf -- '--ignore=%s ' $heavy) & p2=$!
-    wait $p1; r1=$?; wait $p2; r2=$?
-    rc=$(( r1 || r2 ))
-    tail -8 "$out/gpu-tests-part1.log"; tail -8 "$out/gpu-tests-part2.log"
+    pids=(); rest=()
+    for i in "${!groups[@]}"; do
+      # shellcheck disable=SC2086
+      gpu_tests "/tmp/gpu-tests-$i.log" ${groups[$i]} & pids+=($!)
+      # shellcheck disable=SC2206
+      rest+=($(printf -- '--ignore=%s ' ${groups[$i]}))
+    done
+    gpu_tests "/tmp/gpu-tests-${#groups[@]}.log" tests "${rest[@]}" & pids+=($!)  # every other test file
+    rc=0
+    for p in "${pids[@]}"; do wait "$p" || rc=1; done
+    for i in $(seq 0 "${#groups[@]}"); do
+      { echo "=== group $i: ${groups[$i]:-every other file} ==="; cat "/tmp/gpu-tests-$i.log"; } >>"$out/gpu-tests.log"
+      tail -3 "/tmp/gpu-tests-$i.log"
+    done
   fi
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

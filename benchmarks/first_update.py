@@ -208,6 +208,14 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def shape(workload: str, smoke: bool, sets: list[str]) -> tuple[dict, list[str]]:
+    """The workload's shape and our runs' overrides: b's settings (systems.B_DEFAULT) first, so that
+    --set (and --against, after these) win."""
+    if workload == "b":
+        sets = [*systems.B_DEFAULT, *sets]
+    return (systems.WORKLOAD_SMOKE if smoke else systems.WORKLOAD_B if workload == "b" else systems.WORKLOAD_A), sets
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--explain", type=Path, default=None,
@@ -244,9 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--tokenizer and --out are needed to measure")
     if args.smoke:
         systems.DEVICE = "cpu"
-    w = systems.WORKLOAD_SMOKE if args.smoke else systems.WORKLOAD_B if args.workload == "b" else systems.WORKLOAD_A
-    if args.workload == "b":  # b's settings first: --set and --against come after them and win
-        args.set = [*systems.B_DEFAULT, *args.set]
+    w, args.set = shape(args.workload, args.smoke, args.set)
     work = Path(tempfile.mkdtemp(prefix="opd-first-"))
     tok = str(Path(args.tokenizer).resolve())
     import torch

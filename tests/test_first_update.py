@@ -99,3 +99,16 @@ def test_against_tree_imports_that_trees_stages_and_the_summary_names_it(tmp_pat
                                 "against_tree": str(tree), "against_imports": str(tree / "stages/__init__.py")})
     assert f"Against `the stages of {tree} ({tree / 'stages/__init__.py'})`" in md
     assert "- ours: 7.000 s over 2 (8.000, 6.000)" in md and "- against: 7.500 s over 1 (7.500)" in md
+
+
+def test_workload_b_runs_b_shape_with_its_settings_and_set_wins():
+    """--workload b: workload b's models and batch with systems.B_DEFAULT's settings, a --set after them."""
+    w, sets = first_update.shape("b", False, ["train.chunk=2048"])
+    assert w["student"] == "qwen3-0.6b" and w["prompts"] == 64 and w["response"] == 512
+    assert sets == ["train.activation_checkpointing=true", "train.chunk=1024", "train.chunk=2048"]
+    from stages.run import config
+
+    cfg = config.compose(sets)  # (the later override of a key wins)
+    assert cfg.train.chunk == 2048 and cfg.train.activation_checkpointing is True
+    assert first_update.shape("a", False, []) == (first_update.systems.WORKLOAD_A, [])
+    assert first_update.shape("b", True, [])[0] == first_update.systems.WORKLOAD_SMOKE

@@ -114,16 +114,16 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     pids=(); rest=()
     for i in "${!groups[@]}"; do
       # shellcheck disable=SC2086
-      gpu_tests "/tmp/gpu-tests-$i.log" ${groups[$i]} & pids+=($!)
+      gpu_tests "$out/gpu-tests-$i.log" ${groups[$i]} & pids+=($!)
       # shellcheck disable=SC2206
       rest+=($(printf -- '--ignore=%s ' ${groups[$i]}))
     done
-    gpu_tests "/tmp/gpu-tests-${#groups[@]}.log" tests "${rest[@]}" & pids+=($!)  # every other test file
+    gpu_tests "$out/gpu-tests-${#groups[@]}.log" tests "${rest[@]}" & pids+=($!)  # every other test file
     rc=0
     for p in "${pids[@]}"; do wait "$p" || rc=1; done
     for i in $(seq 0 "${#groups[@]}"); do
-      { echo "=== group $i: ${groups[$i]:-every other file} ==="; cat "/tmp/gpu-tests-$i.log"; } >>"$out/gpu-tests.log"
-      tail -3 "/tmp/gpu-tests-$i.log"
+      { echo "=== group $i: ${groups[$i]:-every other file} ==="; cat "$out/gpu-tests-$i.log"; } >>"$out/gpu-tests.log"
+      tail -3 "$out/gpu-tests-$i.log"; rm "$out/gpu-tests-$i.log"  # (a call cut short returns them as they are)
     done
   fi
 fi

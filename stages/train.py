@@ -18,7 +18,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import align, prepare, rollout, score, sft, update
 from .weights import ahead
-from .memory import hostmem
+from .memory import hostmem, phases
 from .engine import kernels, warmup
 from .run import runview
 from .run.config import Config, logit_temperature
@@ -127,7 +127,8 @@ def warm_up(sess: Session) -> None:
                  new=r.max_new_tokens, length=sess.models.forward_length(), rank=cfg.lora.r,
                  sampling=(logit_temperature(r), r.top_p, r.temperature == 0), min_new=r.min_new_tokens,
                  dtype=sess.dtype, device=sess.device, compiled=sess.models.compiled_decode,
-                 precompile=cfg.runtime.precompile)
+                 precompile=cfg.runtime.precompile,
+                 engine=phases.engine_weights(cfg.teacher if phases.teacher_samples(cfg) else cfg.student))
 
 
 def run(sess: Session) -> dict:

@@ -54,14 +54,16 @@ def dims(config_json: Path) -> dict:
 
 def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, length: int, rank: int,
           sampling: Sampling, min_new: int, dtype: torch.dtype, device: torch.device, compiled: bool,
-          precompile: bool) -> None:
+          precompile: bool, engine: bool = True) -> None:
     """Start the warm-up (CUDA only). student/teacher: the models' config.json, read by `dims` on the
     thread (prepare checked its hash; a read that fails anyway fails the warm-up, not the run); rows: the
     rollout's batch; prompt: its padded prompt length; new: new tokens; length: the teacher-forced
     forwards' padded length; rank: the LoRA's r; sampling: the rollout's (Sampling.of); min_new: the
     rollout's min_new_tokens (the draw's EOS block is compiled in or not); compiled: the engine's
     decode kernels; precompile: compile the engine's Triton kernels in child processes first (`parts`,
-    `_child`)."""
+    `_child`); engine: the rollout samples with the engine (false: through transformers, int8 or
+    dense_copy=false, whose small cards the engine's sampling weights and the children's CUDA contexts
+    would crowd: neither is made)."""
     if device.type != "cuda" or _RUNNING:
         return
     if isinstance(sampling, tuple):  # (temperature, top_p, greedy): train.warm_up's, until it passes
@@ -69,7 +71,7 @@ def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, len
     spec = {"config": str(student), "rows": rows, "prompt": prompt, "new": new, "sampling": asdict(sampling),
             "min_new": min_new, "dtype": str(dtype).removeprefix("torch."), "compiled": compiled,
             "device": device.index if device.index is not None else torch.cuda.current_device()}
-    which = parts(compiled, sampling, cpus()) if precompile and kernels.triton is not None else ()
+    which = parts(compiled, sampling, cpus()) if engine and precompile and kernels.triton is not None else ()
     children = [_spawn({**spec, "part": part}) for part in which]
     if which:
         _RESULT["precompile_parts"] = list(which)
@@ -82,8 +84,9 @@ def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, len
                 _teacher_forced(dt, rows, length, 0, dtype, device, train=False)
                 _teacher_forced(ds, rows, length, rank, dtype, device, train=True)
                 _join_children(children)  # (their compilations in Triton's cache: the sample below loads them)
-                _sample(_weights(ds, dtype, device), rows, prompt, new, sampling, min_new,
-                        decoder.fused_layer if compiled else decoder.layer)
+                if engine:
+                    _sample(_weights(ds, dtype, device), rows, prompt, new, sampling, min_new,
+                            decoder.fused_layer if compiled else decoder.layer)
                 torch.cuda.current_stream().synchronize()
             _RESULT["warmup_s"] = round(time.perf_counter() - t, 4)
         except Exception as e:  # noqa: BLE001  only a head start: the run pays these first calls itself

@@ -148,7 +148,12 @@ def teacher_samples(cfg) -> bool:
 def engine_runs(sh: Shape, mcfg) -> bool:
     """The fast engine samples from this model (stages/engine/sampler.py `supported`), else the
     transformers fallback (int8, NF4 with dense_copy=false, other architectures)."""
-    return sh.model_type in ENGINE_TYPES and (mcfg.quant == "none" or mcfg.quant == "nf4" and getattr(mcfg, "dense_copy", True))
+    return sh.model_type in ENGINE_TYPES and engine_weights(mcfg)
+
+
+def engine_weights(mcfg) -> bool:
+    """The role's weights are ones the engine samples from: dense, or NF4 with its dense copy."""
+    return mcfg.quant == "none" or mcfg.quant == "nf4" and getattr(mcfg, "dense_copy", True)
 
 
 def decode_bytes(sh: Shape, B: int, Pb: int, N: int, s: int, top_p: float = 1.0) -> dict:

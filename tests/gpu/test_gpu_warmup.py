@@ -35,6 +35,17 @@ def test_warmup_changes_no_byte_and_reports_its_time(tmp_path, seeded_store):
     assert entry_differences(on / "artifacts", off / "artifacts", entries) == []
 
 
+def test_a_student_sampled_through_transformers_warms_no_engine(tmp_path, seeded_store):
+    """NF4 without the dense copy samples through transformers: the warm-up still warms the forwards
+    but makes no engine weights and starts no precompiling child (what a small card has room for)."""
+    pytest.importorskip("bitsandbytes")
+    d = fresh(tmp_path / "small", seeded_store)
+    opd("stage", "train", *RUN, "student.quant=nf4", "student.dense_copy=false", cwd=d)
+    t = json.loads((d / "artifacts" / "runs" / "default" / "train.json").read_text())["timings"]
+    assert "warmup_error" not in t and t["warmup_s"] > 0
+    assert "precompile_parts" not in t and "precompile_s" not in t and "precompile_error" not in t, t
+
+
 def test_a_damaged_config_json_is_recomputed_before_the_warmup_reads_it(tmp_path, seeded_store):
     """The warm-up reads the models' config.json on its thread, before their loads hash the dirs; a
     damaged one (same size: a shallow check passes) is found by prepare's own check of that file and

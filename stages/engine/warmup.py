@@ -249,9 +249,8 @@ def _teacher_forced(d, B, T, r, dtype, device, train: bool) -> None:
     T = ids.shape[1]  # (a bucket multiple: the run's forward length already is one)
     real = mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B, T] bool: the real positions
 
-    def rms(x, weight):  # LlamaRMSNorm
-        v = x.float().pow(2).mean(-1, keepdim=True)
-        return weight * (x.float() * torch.rsqrt(v + d["eps"])).to(dtype)
+    def rms(x, weight):  # LlamaRMSNorm as the run computes it on CUDA (stages/weights/norms.py)
+        return weight * F.rms_norm(x, (x.shape[-1],), None, d["eps"])
 
     def proj(x, n_out, n_in):  # base matmul + peft's LoRA branch (adapters in fp32)
         y = F.linear(x, w(n_out, n_in))

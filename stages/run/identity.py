@@ -377,6 +377,7 @@ def runtime_slice(cfg, device_type: str, dtype, forward_length: Callable[[], int
         # the graphed roles (cuBLAS may choose another algorithm under capture: graph and eager need not
         # agree to the bit)
         s["forwards"] = f"padded-to-{forward_length()}"
+        s["norms"] = "fused"  # transformers' RMSNorms as torch's fused kernel (stages/weights/norms.py)
         if graphed:
             s["forward_graphs"] = sorted(graphed, reverse=True)  # ["student", "teacher"]
     if compiled_layers(cfg, cfg.student, device_type) or compiled_layers(cfg, cfg.teacher, device_type):

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..run import identity, reproducible
-from . import imports
+from . import imports, norms
 from .state import base_of, state  # (base_of is defined beside the state it keys: models.base_of)
 from ..run.config import ROOT, ModelCfg
 from ..errors import UserError
@@ -253,6 +253,8 @@ def load(model_dir: Path, mcfg: ModelCfg, device: torch.device, dtype: torch.dty
         for m in model.modules():
             if hasattr(m, "support_avx512bf16_for_cpu"):
                 m.support_avx512bf16_for_cpu = False
+    if device.type == "cuda":  # (CPU: transformers' own norms; identity.runtime_slice says which ran)
+        norms.install(model)
     mark_sampling(model, mcfg)
     model.eval()
     model.requires_grad_(False)

@@ -80,7 +80,7 @@ class Engine:
         self.nf4 = any(decoder.is_nf4(m) for m in base.model.layers.modules() if isinstance(m, torch.nn.Linear))
         self._refresh = None  # (parameter addresses, the captured LoRA re-merge)
         self._side = None  # in place, CUDA: the stream that copies the pristine weights back
-        if self.use_graphs and not self.nf4 and not self.in_place and any(_adapted(base)):
+        if self.use_graphs and not self.in_place and any(_adapted(base)):
             self.refresh()  # the weights as every later version gets them: from the captured merge
 
     def refresh(self, model=None) -> None:
@@ -98,10 +98,10 @@ class Engine:
         kernels per adapted projection: hundreds of launches, bound by the host when eager) is
         captured once and replayed, and a new engine's weights come from that replay too (cuBLAS may
         choose another algorithm under capture than eager): a resumed process samples from the bytes
-        an uninterrupted one refreshed to. (An NF4 base is merged eager, as it always was: captured, the
-        merge's matmul could round otherwise, and no NF4 rollout digest says which ran.)"""
+        an uninterrupted one refreshed to. An NF4 base's merge dequantizes each projection inside the
+        captured graph too (identity.runtime_slice's `nf4_merge` key: it once ran eager)."""
         base = models.base_of(model or self.model)
-        if not self.use_graphs or self.nf4 or not any(_adapted(base)):  # (nothing to capture without LoRA)
+        if not self.use_graphs or not any(_adapted(base)):  # (nothing to capture without LoRA)
             return self._merge(base)
         where = graphs.params_at(base)
         if self._refresh is not None and self._refresh[0] == where:

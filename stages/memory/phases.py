@@ -251,9 +251,11 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     remerge = []
     if x.engine and w["cuda_graphs"]:  # the captured prefill and decode step keep their static state and pool
         eng.append(_captured("student", S, B, Pb, N, s, cfg.rollout.top_p, " (one pool)"))
-        if sq != "nf4":  # the captured LoRA re-merge (sampler.Engine.refresh) keeps its scratch (not under swap)
-            remerge = [("student", "captured LoRA re-merge (graph pool: fp32 merge of one projection)",
-                        3 * big * 4, False)]
+        # the captured LoRA re-merge (sampler.Engine.refresh) keeps its scratch (not under swap); an NF4
+        # projection is dequantized to the compute dtype first
+        nf4 = sq == "nf4"
+        remerge = [("student", "captured LoRA re-merge (graph pool: fp32 merge of one projection"
+                    + (", dequantized from NF4)" if nf4 else ")"), 3 * big * 4 + (big * s if nf4 else 0), False)]
     eng_kept, eng = eng + remerge, eng + ([] if moves else remerge)  # (evaluate keeps the engine whatever moves)
     teach = [("teacher", "weights: the student's base (shared, counted once)", 0, False)] if shared else \
         [("teacher", f"weights ({_label(tq, tdq, x.dtype)})", weight_bytes(T, tq, tdq, s), False)]

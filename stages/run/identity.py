@@ -380,6 +380,8 @@ def runtime_slice(cfg, device_type: str, dtype, forward_length: Callable[[], int
         s["norms"] = "fused"  # transformers' RMSNorms as torch's fused kernel (stages/weights/norms.py)
         if graphed:
             s["forward_graphs"] = sorted(graphed, reverse=True)  # ["student", "teacher"]
+        if cfg.rollout.cuda_graphs and cfg.student.quant == "nf4" and cfg.student.dense_copy:
+            s["nf4_merge"] = "graph"  # the engine's LoRA merge into its NF4 dense copy replays a captured graph
     if compiled_layers(cfg, cfg.student, device_type) or compiled_layers(cfg, cfg.teacher, device_type):
         s["layers"] = "compiled"  # fused kernels round differently (which: by the quant keys, in the digests)
     if device_type == "cpu":

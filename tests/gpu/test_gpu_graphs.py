@@ -135,6 +135,29 @@ def test_engine_refresh_replays_the_merge_a_fresh_engine_makes():
                 assert torch.allclose(a[k].float(), c[k].float(), atol=1e-2, rtol=1e-2), (step, k)
 
 
+def test_an_nf4_engine_refresh_replays_the_merge_a_fresh_engine_makes(tmp_path):
+    """An NF4 student's engine merges into its dense copy by a captured graph (dequantize + LoRA per
+    projection): refreshes replay it, a fresh engine's weights come from it, eager within bf16."""
+    pytest.importorskip("bitsandbytes")
+    from stages.run.config import ModelCfg
+
+    tiny(initializer_range=0.05).save_pretrained(tmp_path)
+    m = with_trained_lora(models.load(tmp_path, ModelCfg(quant="nf4"), torch.device("cuda"), torch.bfloat16),
+                          scale=0.02)
+    eng = sampler.Engine(m, use_graphs=True)
+    assert eng.nf4 and eng._refresh is not None
+    for step in range(3):
+        with torch.no_grad():
+            for _, q in models.trainable(m):
+                q.add_(0.01 * torch.randn_like(q))
+        eng.refresh(m)
+        fresh, eager = sampler.Engine(m, use_graphs=True), sampler.Engine(m, use_graphs=False)
+        for a, b, c in zip(eng.W["layers"], fresh.W["layers"], eager.W["layers"]):
+            for k in ("qkv", "o_proj", "gate_up", "down_proj"):
+                assert torch.equal(a[k], b[k]), (step, k)
+                assert torch.allclose(a[k].float(), c[k].float(), atol=1e-2, rtol=1e-2), (step, k)
+
+
 def test_in_place_engine_restores_the_base_before_the_next_forward_reads_it():
     """memory.merge_in_place: a forward right after generate (no score between) reads the pristine
     base, because it waits on the device for the side stream's copy back (decoder.base_ready). At

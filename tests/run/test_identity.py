@@ -6,6 +6,7 @@ import ast
 import dataclasses
 
 import pytest
+import torch
 
 from stages.run import config, identity
 from stages.run.config import ROOT
@@ -72,6 +73,18 @@ PINNED_CUDA = {
 @pytest.mark.parametrize("name,extra", [("plain", []), ("env", ENV)])
 def test_cuda_digests_are_pinned(name, extra):
     assert digests(extra, {**RUNTIME, "device": "cuda"}) == PINNED_CUDA[name]
+
+
+def test_the_nf4_merge_graph_is_in_the_cuda_runtime_slice_only_where_it_runs():
+    """The engine merges the LoRA into an NF4 student's dense copy in a captured graph on CUDA (it ran
+    eager once): the runtime slice says so there, and nowhere else."""
+    def key(*o, dev="cuda"):
+        cfg = config.compose(BASE + list(o), ROOT / "conf")
+        return identity.runtime_slice(cfg, dev, torch.bfloat16, lambda: 256, set()).get("nf4_merge")
+
+    assert key("student.quant=nf4") == "graph"
+    assert key() is key("teacher.quant=nf4") is key("student.quant=nf4", "student.dense_copy=false") is None
+    assert key("student.quant=nf4", "rollout.cuda_graphs=false") is key("student.quant=nf4", dev="cpu") is None
 
 
 def test_a_digest_changes_with_each_key_its_stage_reads_and_no_other():

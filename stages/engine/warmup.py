@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from . import decoder, draw, graphs, kernels, sampler
+from ..weights import lora_kernels
 from .sampling import Decode, Sampling
 
 _RUNNING: list[threading.Thread] = []  # at most one: the process's warm-up, until `wait` joins it
@@ -54,7 +55,7 @@ def dims(config_json: Path) -> dict:
 
 def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, length: int, rank: int,
           sampling: Sampling, min_new: int, dtype: torch.dtype, device: torch.device, compiled: bool,
-          precompile: bool, engine: bool = True) -> None:
+          precompile: bool, engine: bool = True, lora_kernels: bool = False) -> None:
     """Start the warm-up (CUDA only). student/teacher: the models' config.json, read by `dims` on the
     thread (prepare checked its hash; a read that fails anyway fails the warm-up, not the run); rows: the
     rollout's batch; prompt: its padded prompt length; new: new tokens; length: the teacher-forced
@@ -63,7 +64,8 @@ def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, len
     decode kernels; precompile: compile the engine's Triton kernels in child processes first (`parts`,
     `_child`); engine: the rollout samples with the engine (false: through transformers, int8 or
     dense_copy=false, whose small cards the engine's sampling weights and the children's CUDA contexts
-    would crowd: neither is made)."""
+    would crowd: neither is made); lora_kernels: the student's LoRA computes through
+    stages/weights/lora_kernels.py (its kernels compile here, at the run's widths)."""
     if device.type != "cuda" or _RUNNING:
         return
     if isinstance(sampling, tuple):  # (temperature, top_p, greedy): train.warm_up's, until it passes
@@ -82,7 +84,7 @@ def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, len
             ds, dt = dims(student), dims(teacher)
             with torch.cuda.stream(torch.cuda.Stream(device)):
                 _teacher_forced(dt, rows, length, 0, dtype, device, train=False)
-                _teacher_forced(ds, rows, length, rank, dtype, device, train=True)
+                _teacher_forced(ds, rows, length, rank, dtype, device, train=True, kernels=lora_kernels)
                 _join_children(children)  # (their compilations in Triton's cache: the sample below loads them)
                 if engine:
                     _sample(_weights(ds, dtype, device), rows, prompt, new, sampling, min_new,
@@ -238,10 +240,11 @@ def _sample(W, B, P, N, sampling: Sampling, min_new, layer) -> None:
     sampler.step(W, st, how, layer)
 
 
-def _teacher_forced(d, B, T, r, dtype, device, train: bool) -> None:
+def _teacher_forced(d, B, T, r, dtype, device, train: bool, kernels: bool = False) -> None:
     """One layer as transformers' Llama computes it in the padded layout (graphs.padded's boolean mask,
-    kv heads repeated), LoRA as peft adds it (fp32 adapters), then an LM-head chunk's log-softmax and
-    top-k; with train, the backward too (autograd's device thread)."""
+    kv heads repeated), LoRA as peft adds it (fp32 adapters; kernels: as stages/weights/lora_kernels.py
+    does), then an LM-head chunk's log-softmax and top-k; with train, the backward too (autograd's
+    device thread)."""
     H, KV, D, E, I, V = d["H"], d["KV"], d["D"], d["E"], d["I"], d["V"]
     w = lambda *s, v=0.02: _full(s, v, dtype, device)  # noqa: E731
     real = (torch.arange(T, device=device)[None] < (T - 8 * torch.arange(B, device=device))[:, None]).long()
@@ -257,6 +260,8 @@ def _teacher_forced(d, B, T, r, dtype, device, train: bool) -> None:
         if not r:
             return y
         a, b = _full((r, n_in), 0.01, torch.float32, device, train), _full((n_out, r), 0.01, torch.float32, device, train)
+        if kernels:
+            return lora_kernels.Lora.apply(x, y, a, b, 2.0)
         return (y + F.linear(F.linear(x.float(), a), b) * 2.0).to(dtype)
 
     with torch.set_grad_enabled(train):

@@ -59,7 +59,8 @@ class Resident:
                     decoder.fuse_projections(base)
             if self.cfg.train.activation_checkpointing:  # only active in train() mode, i.e. the update
                 models.enable_activation_checkpointing(base, preserve_rng_state=self.cfg.lora.dropout > 0)
-            self._student = lora.add(base, self.cfg.lora, seed_of(self.chain.init()))
+            self._student = lora.add(base, self.cfg.lora, seed_of(self.chain.init()),
+                                     kernels=identity.lora_kernels(self.cfg, self.cfg.student, self.device.type))
             self.mark("lora_built")
             if self._ahead:  # made beside policy 0, the engine and the rollout (stages/weights/ahead.py)
                 path = lambda role: self.store.path("model", self.prepared[role])  # noqa: E731

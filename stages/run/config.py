@@ -193,6 +193,11 @@ class RuntimeCfg:
     # warmup.parts), into the on-disk caches the engine reads. A cold cache's compilations then overlap the imports
     # instead of holding up the engine's capture. false: the warm-up thread compiles them in process
     precompile: bool = True
+    # CUDA: the LoRA branch of each of the student's projections as Triton kernels over its bf16
+    # activations (stages/weights/lora_kernels.py) instead of PEFT's fp32 passes; the same arithmetic
+    # summed in another order, so it is part of every CUDA digest. Not with compile_layers (compiled
+    # layers fuse PEFT's own) nor with a quantized student (bitsandbytes' LoRA layers)
+    lora_kernels: bool = True
 
 
 @dataclass

@@ -146,9 +146,8 @@ def prompts(cfg: Config, tokenizer_fp: str, files: dict[str, str]) -> str:
     return make("prompts", {"data": _data(c), "tokenizer": tokenizer_fp, **files}, {})
 
 
-# Where a prompt file lives is not what it holds: a file's identity is its content hash (`rows`,
-# `eval_rows`); its path enters a digest only as this marker. A generator's rows (path null) keep
-# their digests.
+# Where a prompt file lives is not what it holds: a file's identity is its content hash (`rows`, `eval_rows`);
+# its path enters a digest only as this marker. A generator's rows (path null) keep their digests.
 FROM_FILE = {"path": "file: content hash in `rows`", "eval_path": "file: content hash in `eval_rows`"}
 
 
@@ -359,29 +358,36 @@ def compiled_decode(cfg, device_type: str) -> bool:
 
 
 def compiled_layers(cfg, mcfg, device_type: str) -> bool:
-    """A model's decoder layers run compiled (the student's in training, the teacher's scoring forward):
-    CUDA with runtime.compile_layers, an unquantized model (bitsandbytes' layers are not traced)."""
+    """A model's layers run compiled (the student's training, the teacher's scoring): CUDA, unquantized."""
     return device_type == "cuda" and cfg.runtime.compile_layers and mcfg.quant == "none"
 
 
+def lora_kernels(cfg, mcfg, device_type: str) -> bool:
+    """A model's LoRA computes through stages/weights/lora_kernels.py (CUDA, unquantized, not compiled)."""
+    return device_type == "cuda" and cfg.runtime.lora_kernels and mcfg.quant == "none" and not compiled_layers(
+        cfg, mcfg, device_type)
+
+
 def runtime_slice(cfg, device_type: str, dtype, forward_length: Callable[[], int], graphed: set[str]) -> dict:
-    """The part of every digest that the machine decides: what kernels, layouts and settings compute the
-    bytes on this device (each key present only where it changes them, so that digests made without
-    it stay what they were). `graphed`: the roles whose forwards replay CUDA graphs (phases.graphed_roles)."""
+    """The part of every digest that the machine decides: what kernels, layouts and settings compute the bytes
+    on this device (each key only where it changes them, so that digests made without it stay what they
+    were). `graphed`: the roles whose forwards replay CUDA graphs (phases.graphed_roles)."""
     s = {"device": device_type, "dtype": str(dtype).removeprefix("torch.")}
     if compiled_decode(cfg, device_type):  # the fused decode kernels (stages/engine/kernels.py), attention
         s["decode"] = "project+rope_attention-blocks"  # at any batch size reading the cache in blocks
     if device_type == "cuda":
         s["draw"] = "kernel"  # plain sampling's draw as stages/engine/draw.py's kernels
-        # teacher-forced forwards in the padded layout (stages/engine/graphs.py), replayed from graphs for
-        # the graphed roles (cuBLAS may choose another algorithm under capture: graph and eager need not
-        # agree to the bit)
+        # teacher-forced forwards in the padded layout (stages/engine/graphs.py), replayed from graphs for the
+        # graphed roles (cuBLAS may choose another algorithm under capture: graph and eager may differ)
         s["forwards"] = f"padded-to-{forward_length()}"
         s["norms"] = "fused"  # transformers' RMSNorms as torch's fused kernel (stages/weights/norms.py)
         if graphed:
             s["forward_graphs"] = sorted(graphed, reverse=True)  # ["student", "teacher"]
         if cfg.rollout.cuda_graphs and cfg.student.quant == "nf4" and cfg.student.dense_copy:
             s["nf4_merge"] = "graph"  # the engine's LoRA merge into its NF4 dense copy replays a captured graph
+    if lora_kernels(cfg, cfg.student, device_type) or cfg.teacher_mode == "protocol_sft" and lora_kernels(
+            cfg, cfg.teacher, device_type):
+        s["lora"] = "kernels"  # a trained LoRA's branch as stages/weights/lora_kernels.py computes it
     if compiled_layers(cfg, cfg.student, device_type) or compiled_layers(cfg, cfg.teacher, device_type):
         s["layers"] = "compiled"  # fused kernels round differently (which: by the quant keys, in the digests)
     if device_type == "cpu":

@@ -10,12 +10,14 @@ from pathlib import Path
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from . import imports
+from . import imports, lora_kernels
 from ..run.config import LoraCfg
 from ..errors import UserError
 
 
-def add(model, lcfg: LoraCfg, seed: int):
+def add(model, lcfg: LoraCfg, seed: int, kernels: bool = False):
+    """`model` wrapped in the LoRA of `lcfg`; kernels: its projections compute the LoRA branch through
+    stages/weights/lora_kernels.py where they can (identity.lora_kernels says when)."""
     imports.bitsandbytes()  # (before peft, which imports it)
     from peft import LoraConfig, get_peft_model
 
@@ -24,9 +26,12 @@ def add(model, lcfg: LoraCfg, seed: int):
                      target_modules=list(lcfg.target_modules), bias="none", task_type="CAUSAL_LM")
     try:
         with peft_wrap_quietly(), moved_at_once():
-            return get_peft_model(model, cfg, autocast_adapter_dtype=True)
+            peft_model = get_peft_model(model, cfg, autocast_adapter_dtype=True)
     except ValueError as e:
         raise UserError(f"key 'lora.target_modules': {str(e).splitlines()[0]}") from None
+    if kernels:
+        lora_kernels.install(peft_model)
+    return peft_model
 
 
 def load(peft_model, adapter_dir: Path) -> None:

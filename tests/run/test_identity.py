@@ -87,6 +87,18 @@ def test_the_nf4_merge_graph_is_in_the_cuda_runtime_slice_only_where_it_runs():
     assert key("student.quant=nf4", "rollout.cuda_graphs=false") is key("student.quant=nf4", dev="cpu") is None
 
 
+def test_the_lora_kernels_are_in_the_cuda_runtime_slice_only_where_they_run():
+    """The student's LoRA branch runs as stages/weights/lora_kernels.py's kernels on CUDA unless the
+    layers compile or the student is quantized (or the key is off)."""
+    def key(*o, dev="cuda"):
+        cfg = config.compose(BASE + list(o), ROOT / "conf")
+        return identity.runtime_slice(cfg, dev, torch.bfloat16, lambda: 256, set()).get("lora")
+
+    assert key() == key("teacher.quant=nf4") == "kernels"
+    assert key(dev="cpu") is key("runtime.lora_kernels=false") is key("runtime.compile_layers=true") is None
+    assert key("student.quant=nf4") is key("student.quant=int8") is None
+
+
 def test_a_digest_changes_with_each_key_its_stage_reads_and_no_other():
     def chain(*extra):
         return identity.Chain(config.compose(BASE + list(extra), ROOT / "conf"), lambda: dict(RUNTIME), PREP)

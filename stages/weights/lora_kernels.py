@@ -1,0 +1,223 @@
+"""PEFT's LoRA branch as a few Triton kernels over the bf16 activations (docs/architecture.md, "The
+student's LoRA on CUDA").
+
+PEFT (0.21) adds its fp32 adapter to a bf16 projection in passes of their own, each a sweep over the
+activations in fp32: `x.float()`, `lora_A`, `lora_B`, `* scaling`, `+ result`, `.to(bf16)`, and as many
+again in the backward, where it also keeps the fp32 copy of x for lora_A's weight gradient. At
+workload b's update that traffic is 1.34 TB more than one kernel per projection would move
+(benchmarks/update_bytes.py; docs/performance.md). Here the same arithmetic, each value rounded where
+PEFT rounds it:
+
+    forward   xa = f32(x) @ A.T                         [N, r]    one read of x
+              y  = dtype(f32(result) + (xa @ B.T) * s)  [N, out]  one read of result, one write
+    backward  gs = f32(g) * s; gB = gs.T @ xa; gxa = gs @ B; gA = gxa.T @ f32(x); gx = dtype(gxa @ A)
+
+(gresult = g, as PEFT's casts give it). The matmuls are fp32 (IEEE, no TF32, as PEFT's cuBLAS SGEMMs
+run); only the order of their sums differs from cuBLAS's, so the values differ from PEFT's within
+fp32's bounds for sums of that length (tests/weights/test_lora_kernels.py derives and checks them).
+Each output element is summed by one program in a fixed order, and the weight gradients' sums over
+the rows in splits fixed by the shapes alone, then added by torch in a fixed order: deterministic.
+
+Torch custom ops, so that CUDA graphs record their launches and meta tensors count their traffic.
+Installed on CUDA only (`install`); without Triton (CPU builds of torch) `usable` is false.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU builds of torch ship no Triton
+    triton = None
+
+BLOCK = 64  # rows and columns per program's tile
+SPLIT = 1024  # rows per program in the weight gradients' sums over the rows (a multiple of BLOCK)
+
+
+def usable(layer) -> bool:
+    """Whether `layer` (a PEFT LoRA Linear) computes through `forward` here: on CUDA, and `fits`."""
+    return triton is not None and layer.get_base_layer().weight.is_cuda and fits(layer)
+
+
+def fits(layer) -> bool:
+    """A plain Linear base in half precision, one plain LoRA adapter in fp32 without dropout or bias,
+    not merged (the kernels' arithmetic; the CPU tests run it through Triton's interpreter)."""
+    base, names = layer.get_base_layer(), list(layer.lora_A)
+    return (type(base) is torch.nn.Linear and base.weight.dtype in (torch.bfloat16, torch.float16)
+            and len(names) == 1 and not layer.lora_variant and not layer.merged
+            and isinstance(layer.lora_dropout[names[0]], torch.nn.Identity)
+            and layer.lora_A[names[0]].weight.dtype == torch.float32 and layer.lora_B[names[0]].bias is None)
+
+
+def install(model) -> int:
+    """Every LoRA Linear of `model` that is `usable` computes through `forward` (bound to the module, as
+    stages/weights/norms.py binds its norms). Returns how many."""
+    from peft.tuners.lora.layer import Linear
+
+    n = 0
+    for m in model.modules():
+        if type(m) is Linear and usable(m):
+            m.forward = functools.partial(forward, m)
+            n += 1
+    return n
+
+
+def forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """What PEFT's `Linear.forward(x)` computes, its LoRA branch through the kernels: x [..., in] ->
+    [..., out]. With the adapters off it is the base layer, as in PEFT."""
+    base = layer.get_base_layer()
+    if layer.disable_adapters or not layer.active_adapters or layer.active_adapters[0] not in layer.lora_A:
+        return base(x, *args, **kwargs)
+    name = layer.active_adapters[0]
+    result = base(x, *args, **kwargs)
+    return Lora.apply(x, result, layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name]))
+
+
+class Lora(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, result, a, b, s):  # x [..., K], result [..., O], a [r, K] f32, b [O, r] f32
+        x2 = x.reshape(-1, x.shape[-1])  # [N, K]
+        xa = down(x2, a)  # [N, r] f32
+        y = tail(result.reshape(-1, result.shape[-1]), xa, b, s)  # [N, O]
+        ctx.save_for_backward(x2, xa, a, b)
+        ctx.s, ctx.shape = s, x.shape
+        return y.view(result.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, xa, a, b = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        gx, ga, gb = grads(g2, x2, xa, a, b, ctx.s)
+        return gx.view(ctx.shape), g, ga, gb, None
+
+
+@torch.library.custom_op("opd::lora_down", mutates_args=())
+def down(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """xa [N, r] f32 = f32(x) @ a.T; x [N, K] half precision, a [r, K] f32."""
+    x, a = x.contiguous(), a.contiguous()
+    (N, K), r = x.shape, a.shape[0]
+    xa = torch.empty((N, r), dtype=torch.float32, device=x.device)
+    _to_rank[(triton.cdiv(N, BLOCK),)](x, a, xa, N, K, r, 1.0, 1, K, SCALE=False, R=_pad(r), B=BLOCK)
+    return xa
+
+
+@down.register_fake
+def _(x, a):
+    return x.new_empty((x.shape[0], a.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("opd::lora_tail", mutates_args=())
+def tail(result: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
+    """y [N, O] = result's dtype(f32(result) + (xa @ b.T) * s); result [N, O], xa [N, r] f32, b [O, r] f32."""
+    result, xa, b = result.contiguous(), xa.contiguous(), b.contiguous()
+    (N, O), r = result.shape, b.shape[1]
+    y = torch.empty_like(result)
+    _tail[(triton.cdiv(N, BLOCK), triton.cdiv(O, BLOCK))](result, xa, b, y, N, O, r, s, R=_pad(r), B=BLOCK,
+                                                          enable_fp_fusion=False)
+    return y
+
+
+@tail.register_fake
+def _(result, xa, b, s):
+    return torch.empty_like(result)
+
+
+@torch.library.custom_op("opd::lora_grads", mutates_args=())
+def grads(g: torch.Tensor, x: torch.Tensor, xa: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+          s: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The LoRA branch's backward, g [N, O] the output's gradient: (gx [N, K] in x's dtype, ga [r, K] f32,
+    gb [O, r] f32); x [N, K], xa [N, r] f32 (the forward's), a [r, K] f32, b [O, r] f32."""
+    g, x, xa, a, b = (t.contiguous() for t in (g, x, xa, a, b))
+    (N, O), K, r = g.shape, x.shape[1], a.shape[0]
+    gxa = torch.empty((N, r), dtype=torch.float32, device=g.device)  # (f32(g) * s) @ b
+    _to_rank[(triton.cdiv(N, BLOCK),)](g, b, gxa, N, O, r, s, r, 1, SCALE=True, R=_pad(r), B=BLOCK,
+                                       enable_fp_fusion=False)
+    gb = _wgrad(g, xa, s)  # [O, r]
+    ga = _wgrad(x, gxa, 1.0).t().contiguous()  # [K, r] -> [r, K]
+    gx = torch.empty_like(x)  # x's dtype(gxa @ a)
+    _from_rank[(triton.cdiv(N, BLOCK), triton.cdiv(K, BLOCK))](gxa, a, gx, N, K, r, R=_pad(r), B=BLOCK)
+    return gx, ga, gb
+
+
+@grads.register_fake
+def _(g, x, xa, a, b, s):
+    return torch.empty_like(x), a.new_empty(a.shape), b.new_empty(b.shape)
+
+
+def _wgrad(m: torch.Tensor, v: torch.Tensor, s: float) -> torch.Tensor:
+    """[P, r] f32 = (f32(m) * s).T @ v for m [N, P], v [N, r] f32: each program sums SPLIT rows of one
+    column block, torch adds the splits."""
+    (N, P), r = m.shape, v.shape[1]
+    splits = triton.cdiv(N, SPLIT)
+    part = torch.empty((splits, P, r), dtype=torch.float32, device=m.device)
+    _wgrad_kernel[(triton.cdiv(P, BLOCK), splits)](m, v, part, N, P, r, s, R=_pad(r), B=BLOCK, SPLIT=SPLIT,
+                                                   enable_fp_fusion=False)
+    return part[0] if splits == 1 else part.sum(0)
+
+
+def _pad(r: int) -> int:
+    """The adapter's rank as a tile dimension: a power of two, at least tl.dot's 16."""
+    return max(16, 1 << (r - 1).bit_length())
+
+
+if triton is not None:
+    @triton.jit
+    def _to_rank(p, w, out, N, K, Rt, s, sw_k, sw_r, SCALE: tl.constexpr, R: tl.constexpr, B: tl.constexpr):
+        """out [N, Rt] f32 = (f32(p) [* s]) @ w for p [N, K]; w's element (k, j) at k * sw_k + j * sw_r: a.T
+        (a [r, K]: sw_k = 1, sw_r = K) or b (b [O, r]: sw_k = r, sw_r = 1). One program per B rows."""
+        rows = tl.program_id(0) * B + tl.arange(0, B)
+        rs = tl.arange(0, R)
+        acc = tl.zeros((B, R), dtype=tl.float32)
+        for k0 in range(0, K, B):
+            ks = k0 + tl.arange(0, B)
+            pt = tl.load(p + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < N) & (ks[None, :] < K),
+                         other=0.0).to(tl.float32)
+            if SCALE:
+                pt = pt * s  # (rounded before the product, as PEFT's `* scaling` backward is)
+            wt = tl.load(w + ks[:, None] * sw_k + rs[None, :] * sw_r, mask=(ks[:, None] < K) & (rs[None, :] < Rt),
+                         other=0.0)  # [B, R]
+            acc += tl.dot(pt, wt, input_precision="ieee")
+        tl.store(out + rows[:, None] * Rt + rs[None, :], acc, mask=(rows[:, None] < N) & (rs[None, :] < Rt))
+
+    @triton.jit
+    def _from_rank(gxa, a, gx, N, K, Rt, R: tl.constexpr, B: tl.constexpr):
+        """gx [N, K] = gx's dtype(gxa [N, Rt] @ a [Rt, K]), one [B, B] tile per program."""
+        rows = tl.program_id(0) * B + tl.arange(0, B)
+        cols = tl.program_id(1) * B + tl.arange(0, B)
+        rs = tl.arange(0, R)
+        gt = tl.load(gxa + rows[:, None] * Rt + rs[None, :], mask=(rows[:, None] < N) & (rs[None, :] < Rt), other=0.0)
+        at = tl.load(a + rs[:, None] * K + cols[None, :], mask=(rs[:, None] < Rt) & (cols[None, :] < K), other=0.0)
+        acc = tl.dot(gt, at, input_precision="ieee")  # [B, B]
+        m = (rows[:, None] < N) & (cols[None, :] < K)
+        tl.store(gx + rows[:, None] * K + cols[None, :], acc.to(gx.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _tail(res, xa, b, y, N, O, Rt, s, R: tl.constexpr, B: tl.constexpr):
+        """y [N, O] = y's dtype(f32(res) + (xa @ b.T) * s), one [B, B] tile per program."""
+        rows = tl.program_id(0) * B + tl.arange(0, B)
+        cols = tl.program_id(1) * B + tl.arange(0, B)
+        rs = tl.arange(0, R)
+        xt = tl.load(xa + rows[:, None] * Rt + rs[None, :], mask=(rows[:, None] < N) & (rs[None, :] < Rt), other=0.0)
+        bt = tl.load(b + cols[None, :] * Rt + rs[:, None], mask=(cols[None, :] < O) & (rs[:, None] < Rt), other=0.0)
+        lora = tl.dot(xt, bt, input_precision="ieee") * s  # [B, B] f32, rounded, then added (fp fusion off)
+        m = (rows[:, None] < N) & (cols[None, :] < O)
+        r = tl.load(res + rows[:, None] * O + cols[None, :], mask=m, other=0.0)
+        tl.store(y + rows[:, None] * O + cols[None, :], (r.to(tl.float32) + lora).to(y.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _wgrad_kernel(m, v, part, N, P, Rt, s, R: tl.constexpr, B: tl.constexpr, SPLIT: tl.constexpr):
+        """part[split, P block, :] = sum over the split's rows n of (f32(m[n, P block]) * s).T @ v[n, :]."""
+        cols = tl.program_id(0) * B + tl.arange(0, B)
+        rs = tl.arange(0, R)
+        acc = tl.zeros((B, R), dtype=tl.float32)
+        for n0 in range(tl.program_id(1) * SPLIT, tl.program_id(1) * SPLIT + SPLIT, B):
+            ns = n0 + tl.arange(0, B)
+            mt = tl.load(m + ns[:, None] * P + cols[None, :], mask=(ns[:, None] < N) & (cols[None, :] < P),
+                         other=0.0).to(tl.float32) * s  # [B rows, B cols]
+            vt = tl.load(v + ns[:, None] * Rt + rs[None, :], mask=(ns[:, None] < N) & (rs[None, :] < Rt), other=0.0)
+            acc += tl.dot(tl.trans(mt), vt, input_precision="ieee")  # [B cols, R]
+        out = part + tl.program_id(1) * P * Rt
+        tl.store(out + cols[:, None] * Rt + rs[None, :], acc, mask=(cols[:, None] < P) & (rs[None, :] < Rt))

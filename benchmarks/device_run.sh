@@ -8,13 +8,14 @@
 #           (and the SmolLM2 tokenizer files in .bench/smollm2-tokenizer: `opd stage prepare` once, then
 #            copy artifacts/store/tokenizer/<digest> there; .whl and .bench in .git/info/exclude)
 #           py-spy==0.4.3   (for `first`)
-#   device: run(command="bash benchmarks/device_run.sh [tests|bench|all|decode|first|sdpa]", carry=[".whl", ".bench"])
+#   device: run(command="bash benchmarks/device_run.sh [tests|bench|all|decode|first|sdpa|lora]", carry=[".whl", ".bench"])
 #   (decode: benchmarks/decode_kernels.py's variants, OPD_DECODE_VARIANTS / OPD_DECODE_SHAPES;
 #    first: benchmarks/first_update.py, fresh processes' construction + first update, the last sampled
 #    by py-spy; OPD_FIRST_EXTRA: more of its options, e.g. "--sampler none --against-tree .ab/base" with
 #    the code before a change in .ab/base (here: `git archive REV stages conf | tar -x -C .ab/base`, .ab in
 #    .git/info/exclude, carried: carry=[".whl", ".bench", ".ab"]), interleaved with the code now; sdpa: benchmarks/sdpa_first_call.py, the first
-#    attention calls per SDPA backend at the seed shapes, a fresh process each)
+#    attention calls per SDPA backend at the seed shapes, a fresh process each; lora: benchmarks/lora_kernels.py,
+#    the student's LoRA projections as PEFT and as stages/weights/lora_kernels.py compute them)
 # The embedded GGUF model is over the carry limit, so tests take the tokenizer from .bench
 # (OPD_TEST_TOKENIZER) and the benchmark builds random-init models of the real shapes.
 # Durations seen on the H200 (2026-12-01, with the compiled decode step): tests ~390 s (the byte-
@@ -83,6 +84,11 @@ if [ "$what" = first ]; then
   # shellcheck disable=SC2086
   python3 benchmarks/first_update.py --tokenizer .bench/smollm2-tokenizer --out "$out/first" --runs 3 ${OPD_FIRST_EXTRA:-} 2>&1 \
     | tee "$out/first.log" | tail -40
+  rc=${PIPESTATUS[0]}
+fi
+if [ "$what" = lora ]; then
+  # the student's LoRA projections, PEFT against stages/weights/lora_kernels.py (~1 min)
+  python3 benchmarks/lora_kernels.py --out "$out/lora" 2>&1 | tee "$out/lora.log" | tail -12
   rc=${PIPESTATUS[0]}
 fi
 if [ "$what" = sdpa ]; then

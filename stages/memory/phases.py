@@ -39,6 +39,7 @@ import math
 from dataclasses import dataclass
 
 from .. import objectives
+from ..run import identity
 from ..engine.graphs import BUCKET as FORWARD_BUCKET
 from .shapes import (
     Shape,
@@ -266,7 +267,8 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     graphed_all = graphed_roles(cfg, x.device)  # (under swap the loop's phases hold none: `t_pool`, `s_pool`)
     tquant = sq if shared else tq
     t_fwd = forward_bytes(T, t, s) + t * T.hidden * s  # the teacher's forward activations + hidden states
-    a, scratch = saved_per_token_layer(S, cfg.lora, s), t * (2 * S.hidden + 3 * S.inter) * 4
+    kern = identity.lora_kernels(cfg, cfg.student, x.device)
+    a, scratch = saved_per_token_layer(S, cfg.lora, s, kern), t * (2 * S.hidden + 3 * S.inter) * 4
     saved = t * (S.layers * a + 4 * S.hidden)  # the student's saved activations (update)
     ckpt = getattr(cfg.train, "activation_checkpointing", False)
     ck_inputs = t * (S.layers * S.hidden * s + 4 * S.hidden)  # checkpointed: each layer keeps only its input

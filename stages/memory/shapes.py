@@ -264,14 +264,16 @@ def pristine_bytes(sh: Shape, s: int) -> int:
     return sh.layers * sum(i * o for i, o in sh.proj().values()) * s
 
 
-def saved_per_token_layer(sh: Shape, lora, s: int) -> int:
+def saved_per_token_layer(sh: Shape, lora, s: int, kernels: bool = False) -> int:
     """Bytes autograd keeps per token and decoder layer for the LoRA backward (no checkpointing).
 
     Two RMSNorms keep an fp32 copy of their input (8H); SDPA keeps q and k, v repeated to all heads
     (transformers repeats them under a padding mask) and its output (4 q_dim s); the MLP keeps gate,
     act(gate) and up (3I s); Qwen3's q/k norms keep fp32 copies. Each LoRA layer keeps its input in
     fp32 (PEFT casts the input to the fp32 adapter's dtype: with a bf16 base every targeted
-    projection makes its own copy; in fp32 the inputs are shared tensors) and lora_A's output [r]."""
+    projection makes its own copy; in fp32 the inputs are shared tensors) and lora_A's output [r]. With
+    `kernels` (stages/weights/lora_kernels.py) the input is kept as it is, one tensor per input shared
+    by the projections that read it."""
     H, I, qd, r = sh.hidden, sh.inter, sh.q_dim, lora.r
     b = 8 * H + 4 * qd * s + 3 * I * s
     b += (qd + sh.kv_dim) * 4 if sh.qk_norm else 0
@@ -284,7 +286,11 @@ def saved_per_token_layer(sh: Shape, lora, s: int) -> int:
             continue
         key, width = inputs[name]
         b += 4 * r
-        if s != 4:
+        if kernels:
+            if key != "attn_out" and key not in seen:
+                b += s * width
+                seen.add(key)
+        elif s != 4:
             b += 4 * width
         elif key != "attn_out" and key not in seen:  # fp32 attn_out is SDPA's own (kept) output
             b += 4 * width

@@ -72,8 +72,9 @@ def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, len
         sampling = Sampling(*sampling)  # Sampling.of(rollout)
     spec = {"config": str(student), "rows": rows, "prompt": prompt, "new": new, "sampling": asdict(sampling),
             "min_new": min_new, "dtype": str(dtype).removeprefix("torch."), "compiled": compiled,
-            "device": device.index if device.index is not None else torch.cuda.current_device()}
-    which = parts(compiled, sampling, cpus()) if engine and precompile and kernels.triton is not None else ()
+            "device": device.index if device.index is not None else torch.cuda.current_device(),
+            "length": length, "rank": rank, "engine": engine, "lora": lora_kernels}
+    which = parts(compiled, sampling, cpus(), engine, lora_kernels) if precompile and kernels.triton is not None else ()
     children = [_spawn({**spec, "part": part}) for part in which]
     if which:
         _RESULT["precompile_parts"] = list(which)
@@ -84,8 +85,11 @@ def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, len
             ds, dt = dims(student), dims(teacher)
             with torch.cuda.stream(torch.cuda.Stream(device)):
                 _teacher_forced(dt, rows, length, 0, dtype, device, train=False)
-                _teacher_forced(ds, rows, length, rank, dtype, device, train=True, kernels=lora_kernels)
-                _join_children(children)  # (their compilations in Triton's cache: the sample below loads them)
+                if not lora_kernels:
+                    _teacher_forced(ds, rows, length, rank, dtype, device, train=True)
+                _join_children(children)  # (their compilations in Triton's cache: the calls below load them)
+                if lora_kernels:
+                    _teacher_forced(ds, rows, length, rank, dtype, device, train=True, kernels=True)
                 if engine:
                     _sample(_weights(ds, dtype, device), rows, prompt, new, sampling, min_new,
                             decoder.fused_layer if compiled else decoder.layer)
@@ -129,16 +133,17 @@ CHILD_TIMEOUT_S = 300  # children still compiling this long after the thread sta
 # run compiles what is left in line)
 
 
-def parts(compiled: bool, sampling: Sampling, cores: int) -> tuple[str, ...]:
+def parts(compiled: bool, sampling: Sampling, cores: int, engine: bool = True, lora: bool = False) -> tuple[str, ...]:
     """What the precompiling children compile, one child per part (`_child`): "draw", the draw's two
     kernels (plain sampling only, draw.serves); "step", the decode step's kernels with the draw off
-    (runtime.compile; the eager step launches no Triton kernel). Disjoint, so they compile side by
-    side: on cold caches one child for both was still compiling when the engine's capture began,
+    (runtime.compile; the eager step launches no Triton kernel); both only where the engine samples;
+    "lora", the student's LoRA kernels at the run's widths (lora: runtime.lora_kernels). Disjoint, so
+    they compile side by side: on cold caches one child for both was still compiling when the engine's capture began,
     which then waited for it. A child needs a core of its own beside the main thread's, or it slows
     the imports it was meant to overlap: with fewer cores than parts + 1 the parts share one child
     ("all"), with one core no child starts (the thread compiles them, as with runtime.precompile=false)."""
-    want = tuple(p for p, needed in (("draw", draw.serves(sampling.greedy, sampling.top_p)), ("step", compiled))
-                 if needed)
+    want = tuple(p for p, needed in (("draw", engine and draw.serves(sampling.greedy, sampling.top_p)),
+                                     ("step", engine and compiled), ("lora", lora)) if needed)
     if cores >= len(want) + 1:
         return want
     return ("all",) if want and cores >= 2 else ()
@@ -196,11 +201,18 @@ def _child(spec: dict) -> None:
     weights (`parts`). part "draw": through the eager layer (no Triton kernel but the draw's); part
     "step": with the draw's kernels off (draw.ON, this process's own) and the layer the engine will
     take (sampler.decode_layer: the Triton kernels, or the compiled layer past kernels.MAX_ROWS rows,
-    Inductor's cache then filled too); part "all": that layer with the draw on. What it compiles
-    lands in the on-disk caches the parent reads; nothing else is kept."""
+    Inductor's cache then filled too); part "lora": the student's training forward and backward of one
+    layer through the LoRA kernels; part "all": the step's layer with the draw on, and the LoRA kernels
+    where the run takes them. What it compiles lands in the on-disk caches the parent reads; nothing
+    else is kept."""
     d, dtype = dims(Path(spec["config"])), getattr(torch, spec["dtype"])
     device = torch.device("cuda", spec["device"])
     torch.cuda.set_device(device)
+    if spec["part"] == "lora" or spec["part"] == "all" and spec.get("lora"):
+        _teacher_forced(d, spec["rows"], spec["length"], spec["rank"], dtype, device, train=True, kernels=True)
+        if spec["part"] == "lora" or not spec.get("engine", True):
+            torch.cuda.synchronize(device)
+            return
     W = _weights(d, dtype, device)
     if spec["part"] == "step":
         draw.ON = False

@@ -80,6 +80,10 @@ def test_children_compile_only_what_the_engine_launches_one_core_each():
     assert warmup.parts(True, plain, 3) == ("draw", "step")
     assert warmup.parts(True, plain, 2) == ("all",) and warmup.parts(True, top_p, 2) == ("step",)
     assert warmup.parts(True, plain, 1) == () == warmup.parts(False, plain, 1)
+    # the LoRA kernels (runtime.lora_kernels) in a child of their own, also where the engine does not sample
+    assert warmup.parts(True, plain, 16, lora=True) == ("draw", "step", "lora")
+    assert warmup.parts(True, plain, 16, engine=False, lora=True) == ("lora",) == warmup.parts(False, greedy, 2, lora=True)
+    assert warmup.parts(True, plain, 3, lora=True) == ("all",) and warmup.parts(True, plain, 16, engine=False) == ()
     assert 1 <= warmup.cpus() <= (os.cpu_count() or 1)
 
 

@@ -26,6 +26,7 @@ def test_warmup_changes_no_byte_and_reports_its_time(tmp_path, seeded_store):
     assert "warmup_error" not in timings[on] and timings[on]["warmup_s"] > 0
     # the child compiled the engine's kernels (stages/engine/warmup.py `_child`) and finished first
     assert "precompile_error" not in timings[on] and 0 < timings[on]["precompile_s"] < timings[on]["warmup_s"]
+    assert "lora" in timings[on]["precompile_parts"]  # (runtime.lora_kernels: their child too)
     assert "warmup_s" not in timings[off] and "precompile_s" not in timings[off]
     assert timings[on]["loaded_ahead"] == ["student_weights", "teacher_weights", "tokenizer", "teacher"]
     assert "loaded_ahead" not in timings[off]
@@ -117,3 +118,57 @@ def test_the_children_compile_every_triton_kernel_the_engine_launches(tmp_path):
     assert seen["none"]["before"] == [] and seen["none"]["after"], seen["none"]
     # what the children left is what the engine alone compiles (the same kernels, the same launchers)
     assert set(seen["none"]["after"]) <= set(seen["children"]["before"]), seen
+
+
+LORA_CHILD_THEN_TRAINING = r"""
+import json, os, sys
+from pathlib import Path
+import torch
+from engine_models import tiny
+from dataclasses import asdict
+from stages.engine import warmup
+from stages.engine.sampling import Sampling
+from stages.run.config import LoraCfg
+from stages.weights import lora
+
+out, child = Path(sys.argv[1]), sys.argv[2] == "child"
+cache = Path(os.environ["TRITON_CACHE_DIR"])
+m = tiny("smollm2-360m", num_hidden_layers=2, initializer_range=0.02).to("cuda", torch.bfloat16)
+m.config.to_json_file(out / "config.json")
+if child:  # the run's "lora" child at the training forward's shapes (train.warm_up -> warmup.start)
+    spec = {"config": str(out / "config.json"), "rows": 4, "prompt": 16, "new": 8, "sampling": asdict(Sampling()),
+            "min_new": 0, "dtype": "bfloat16", "compiled": True, "device": 0, "length": 64, "rank": 16,
+            "engine": True, "lora": True}
+    warmup._join_children([warmup._spawn({**spec, "part": "lora"})])
+    assert "precompile_error" not in warmup.report(), warmup.report()
+before = sorted(p.name for p in cache.iterdir())
+student = lora.add(m, LoraCfg(), seed=0, kernels=True)
+ids = torch.zeros(4, 64, dtype=torch.long, device="cuda")
+student(ids).logits.float().sum().backward()
+torch.cuda.synchronize()
+print(json.dumps({"before": before, "after": sorted(p.name for p in cache.iterdir())}))
+"""
+
+
+def test_the_lora_child_compiles_every_lora_kernel_the_training_launches(tmp_path):
+    """runtime.lora_kernels: after the "lora" child ran, the student's training forward and backward
+    through the LoRA kernels add no entry to an otherwise fresh TRITON_CACHE_DIR (without the child they
+    do: not vacuous). Fresh processes, so no kernel is in any in-memory cache."""
+    import os
+    import subprocess
+    import sys
+
+    from support import ROOT
+
+    seen = {}
+    for how in ("child", "none"):
+        d = tmp_path / how
+        (d / "triton").mkdir(parents=True)
+        env = {**os.environ, "TRITON_CACHE_DIR": str(d / "triton"),
+               "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+        r = subprocess.run([sys.executable, "-c", LORA_CHILD_THEN_TRAINING, str(d), how], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=400)
+        assert r.returncode == 0, r.stderr[-3000:]
+        seen[how] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen["child"]["before"] and seen["child"]["after"] == seen["child"]["before"], seen["child"]
+    assert seen["none"]["before"] == [] and seen["none"]["after"], seen["none"]

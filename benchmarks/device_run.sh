@@ -44,7 +44,8 @@
 # profile.txt, systems/<date>-<gpu>-systems.{json,md}; `first`: env.txt, first.log,
 # first/first-update.{json,md,pyspy.gz} (133 s on a fresh machine, 2026-12-02).
 set -uo pipefail
-what=${1:-all}
+what=${1:-all}  # one mode or several, in one argument ("lora all": the LoRA benchmark, then tests and benchmark)
+has() { [[ " $what " == *" $1 "* ]]; }
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -73,27 +74,27 @@ PY
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1
 } >"$out/env.txt" 2>&1
 rc=0
-if [ "$what" = decode ]; then
+if has decode; then
   # the decode step's variants side by side (benchmarks/decode_kernels.py; ~15 s per variant at the seed shapes)
   python3 benchmarks/decode_kernels.py --shapes "${OPD_DECODE_SHAPES:-a,b}" \
     --variants "${OPD_DECODE_VARIANTS:-kernels,kernels:nodraw,fused,fused:nodraw,compiled,eager}" --out "$out/decode" 2>&1 \
     | tee "$out/decode.log" | tail -20
-  rc=${PIPESTATUS[0]}
+  rc=$(( rc || PIPESTATUS[0] ))
 fi
-if [ "$what" = first ]; then
+if has first; then
   # shellcheck disable=SC2086
   python3 benchmarks/first_update.py --tokenizer .bench/smollm2-tokenizer --out "$out/first" --runs 3 ${OPD_FIRST_EXTRA:-} 2>&1 \
     | tee "$out/first.log" | tail -40
-  rc=${PIPESTATUS[0]}
+  rc=$(( rc || PIPESTATUS[0] ))
 fi
-if [ "$what" = lora ]; then
+if has lora; then
   # the student's LoRA projections, PEFT against stages/weights/lora_kernels.py (~1 min)
   python3 benchmarks/lora_kernels.py --out "$out/lora" 2>&1 | tee "$out/lora.log" | tail -12
-  rc=${PIPESTATUS[0]}
+  rc=$(( rc || PIPESTATUS[0] ))
 fi
-if [ "$what" = sdpa ]; then
+if has sdpa; then
   python3 benchmarks/sdpa_first_call.py --out "$out/sdpa" 2>&1 | tee "$out/sdpa.log" | tail -20
-  rc=${PIPESTATUS[0]}
+  rc=$(( rc || PIPESTATUS[0] ))
 fi
 # The GPU tests in five groups run side by side (the GPU and the 16 cores hold them; alone, the files
 # took 429 s one after another in the heaviest half and 230 s in the other on an H100), balanced by
@@ -111,10 +112,10 @@ gpu_tests() {  # $1: log file, then pytest paths/options
   OPD_GPU_RECORD="$out/gpu-replay.json" python3 -m pytest -q -m gpu -p no:cacheprovider "$@" \
     ${OPD_TESTS_K:+-k "$OPD_TESTS_K"} >"$log" 2>&1
 }
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if has tests || has all; then
   if [ -n "${OPD_TESTS:-}" ]; then  # pytest paths/options: a subset, in one process
     # shellcheck disable=SC2086
-    gpu_tests "$out/gpu-tests.log" $OPD_TESTS; rc=$?
+    gpu_tests "$out/gpu-tests.log" $OPD_TESTS || rc=1
     tail -25 "$out/gpu-tests.log"
   else
     pids=(); rest=()
@@ -125,7 +126,6 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
       rest+=($(printf -- '--ignore=%s ' ${groups[$i]}))
     done
     gpu_tests "$out/gpu-tests-${#groups[@]}.log" tests "${rest[@]}" & pids+=($!)  # every other test file
-    rc=0
     for p in "${pids[@]}"; do wait "$p" || rc=1; done
     for i in $(seq 0 "${#groups[@]}"); do
       { echo "=== group $i: ${groups[$i]:-every other file} ==="; cat "$out/gpu-tests-$i.log"; } >>"$out/gpu-tests.log"
@@ -133,7 +133,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     done
   fi
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if has bench || has all; then
   left=$(( ${OPD_DEADLINE_S:-520} - SECONDS ))
   work=$(mktemp -d /tmp/opd-bench-XXXXXX)  # a fresh work dir: nothing of an earlier run is reused
   python3 benchmarks/systems.py --workload all --peers trl,miniverl --tokenizer .bench/smollm2-tokenizer \

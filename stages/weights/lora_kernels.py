@@ -136,7 +136,7 @@ def grads(g: torch.Tensor, x: torch.Tensor, xa: torch.Tensor, a: torch.Tensor, b
     _to_rank[(triton.cdiv(N, BLOCK),)](g, b, gxa, N, O, r, s, r, 1, SCALE=True, R=_pad(r), B=BLOCK,
                                        enable_fp_fusion=False)
     gb = _wgrad(g, xa, s)  # [O, r]
-    ga = _wgrad(x, gxa, 1.0).t().contiguous()  # [K, r] -> [r, K]
+    ga = _wgrad(x, gxa, 1.0, transposed=True)  # [r, K]
     gx = torch.empty_like(x)  # x's dtype(gxa @ a)
     _from_rank[(triton.cdiv(N, BLOCK), triton.cdiv(K, BLOCK))](gxa, a, gx, N, K, r, R=_pad(r), B=BLOCK)
     return gx, ga, gb
@@ -147,14 +147,14 @@ def _(g, x, xa, a, b, s):
     return torch.empty_like(x), a.new_empty(a.shape), b.new_empty(b.shape)
 
 
-def _wgrad(m: torch.Tensor, v: torch.Tensor, s: float) -> torch.Tensor:
-    """[P, r] f32 = (f32(m) * s).T @ v for m [N, P], v [N, r] f32: each program sums SPLIT rows of one
-    column block, torch adds the splits."""
+def _wgrad(m: torch.Tensor, v: torch.Tensor, s: float, transposed: bool = False) -> torch.Tensor:
+    """[P, r] f32 = (f32(m) * s).T @ v for m [N, P], v [N, r] f32 (transposed: its transpose [r, P],
+    stored so): each program sums SPLIT rows of one column block, torch adds the splits."""
     (N, P), r = m.shape, v.shape[1]
     splits = triton.cdiv(N, SPLIT)
-    part = torch.empty((splits, P, r), dtype=torch.float32, device=m.device)
-    _wgrad_kernel[(triton.cdiv(P, BLOCK), splits)](m, v, part, N, P, r, s, R=_pad(r), B=BLOCK, SPLIT=SPLIT,
-                                                   enable_fp_fusion=False)
+    part = torch.empty((splits, r, P) if transposed else (splits, P, r), dtype=torch.float32, device=m.device)
+    _wgrad_kernel[(triton.cdiv(P, BLOCK), splits)](m, v, part, N, P, r, s, *((1, P) if transposed else (r, 1)),
+                                                   R=_pad(r), B=BLOCK, SPLIT=SPLIT, enable_fp_fusion=False)
     return part[0] if splits == 1 else part.sum(0)
 
 
@@ -208,8 +208,9 @@ if triton is not None:
         tl.store(y + rows[:, None] * O + cols[None, :], (r.to(tl.float32) + lora).to(y.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _wgrad_kernel(m, v, part, N, P, Rt, s, R: tl.constexpr, B: tl.constexpr, SPLIT: tl.constexpr):
-        """part[split, P block, :] = sum over the split's rows n of (f32(m[n, P block]) * s).T @ v[n, :]."""
+    def _wgrad_kernel(m, v, part, N, P, Rt, s, sp, sr, R: tl.constexpr, B: tl.constexpr, SPLIT: tl.constexpr):
+        """part[split] (element (p, j) at p * sp + j * sr) = sum over the split's rows n of
+        (f32(m[n, P block]) * s).T @ v[n, :]."""
         cols = tl.program_id(0) * B + tl.arange(0, B)
         rs = tl.arange(0, R)
         acc = tl.zeros((B, R), dtype=tl.float32)
@@ -220,4 +221,4 @@ if triton is not None:
             vt = tl.load(v + ns[:, None] * Rt + rs[None, :], mask=(ns[:, None] < N) & (rs[None, :] < Rt), other=0.0)
             acc += tl.dot(tl.trans(mt), vt, input_precision="ieee")  # [B cols, R]
         out = part + tl.program_id(1) * P * Rt
-        tl.store(out + cols[:, None] * Rt + rs[None, :], acc, mask=(cols[:, None] < P) & (rs[None, :] < Rt))
+        tl.store(out + cols[:, None] * sp + rs[None, :] * sr, acc, mask=(cols[:, None] < P) & (rs[None, :] < Rt))

@@ -17,6 +17,8 @@ run); only the order of their sums differs from cuBLAS's, so the values differ f
 fp32's bounds for sums of that length (tests/weights/test_lora_kernels.py derives and checks them).
 Each output element is summed by one program in a fixed order, and the weight gradients' sums over
 the rows in splits fixed by the shapes alone, then added by torch in a fixed order: deterministic.
+Triton's FP fusion is off in every launch (pinned: its default flips in Triton 3.10), so a multiply
+and an add round separately, as PEFT's do.
 
 Torch custom ops, so that CUDA graphs record their launches and meta tensors count their traffic.
 Installed on CUDA only (`install`); without Triton (CPU builds of torch) `usable` is false.
@@ -100,7 +102,8 @@ def down(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     x, a = x.contiguous(), a.contiguous()
     (N, K), r = x.shape, a.shape[0]
     xa = torch.empty((N, r), dtype=torch.float32, device=x.device)
-    _to_rank[(triton.cdiv(N, BLOCK),)](x, a, xa, N, K, r, 1.0, 1, K, SCALE=False, R=_pad(r), B=BLOCK)
+    _to_rank[(triton.cdiv(N, BLOCK),)](x, a, xa, N, K, r, 1.0, 1, K, SCALE=False, R=_pad(r), B=BLOCK,
+                                       enable_fp_fusion=False)
     return xa
 
 
@@ -138,7 +141,8 @@ def grads(g: torch.Tensor, x: torch.Tensor, xa: torch.Tensor, a: torch.Tensor, b
     gb = _wgrad(g, xa, s)  # [O, r]
     ga = _wgrad(x, gxa, 1.0, transposed=True)  # [r, K]
     gx = torch.empty_like(x)  # x's dtype(gxa @ a)
-    _from_rank[(triton.cdiv(N, BLOCK), triton.cdiv(K, BLOCK))](gxa, a, gx, N, K, r, R=_pad(r), B=BLOCK)
+    _from_rank[(triton.cdiv(N, BLOCK), triton.cdiv(K, BLOCK))](gxa, a, gx, N, K, r, R=_pad(r), B=BLOCK,
+                                                               enable_fp_fusion=False)
     return gx, ga, gb
 
 

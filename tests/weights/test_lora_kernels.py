@@ -60,3 +60,40 @@ def test_install_takes_the_plain_fp32_lora_linears_only():
     m.v_proj.lora_dropout["default"] = torch.nn.Dropout(0.1)
     m.q_proj.lora_A["default"].half()
     assert not lora_kernels.fits(m.v_proj) and not lora_kernels.fits(m.q_proj)
+
+
+SIGNATURES = {  # each kernel's arguments as the launches in stages/weights/lora_kernels.py pass them
+    "_to_rank": ({"p": "*bf16", "w": "*fp32", "out": "*fp32", "N": "i32", "K": "i32", "Rt": "i32", "s": "fp32",
+                  "sw_k": "i32", "sw_r": "i32", "SCALE": "constexpr", "R": "constexpr", "B": "constexpr"},
+                 {"SCALE": True, "R": 16, "B": 64}),
+    "_tail": ({"res": "*bf16", "xa": "*fp32", "b": "*fp32", "y": "*bf16", "N": "i32", "O": "i32", "Rt": "i32",
+               "s": "fp32", "R": "constexpr", "B": "constexpr"}, {"R": 16, "B": 64}),
+    "_from_rank": ({"gxa": "*fp32", "a": "*fp32", "gx": "*bf16", "N": "i32", "K": "i32", "Rt": "i32", "R": "constexpr",
+                    "B": "constexpr"}, {"R": 16, "B": 64}),
+    "_wgrad_kernel": ({"m": "*bf16", "v": "*fp32", "part": "*fp32", "N": "i32", "P": "i32", "Rt": "i32", "s": "fp32",
+                       "sp": "i32", "sr": "i32", "R": "constexpr", "B": "constexpr", "SPLIT": "constexpr"},
+                      {"R": 16, "B": 64, "SPLIT": 1024}),
+}
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_the_kernels_compile_for_the_gpu_and_the_tail_rounds_as_peft_does(arch):
+    """Without a GPU: Triton compiles each kernel to a cubin for Ampere and Hopper with its own ptxas (the
+    interpreter above checks no GPU lowering). The tail's PTX multiplies by the scale and adds the base
+    output as separate fp32 ops, FP fusion off (PEFT rounds both), and rounds to bf16 to nearest; the
+    fp32 products are FMAs (no TF32 tensor-core instruction)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from stages.weights import lora_kernels
+
+    for name, (sig, consts) in SIGNATURES.items():
+        k = triton.compile(ASTSource(fn=getattr(lora_kernels, name), signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False, "num_warps": 4})
+        assert k.asm["cubin"], name
+        ptx = k.asm["ptx"]
+        assert "fma.rn.f32" in ptx and "mma" not in ptx and "tf32" not in ptx, name
+        if name == "_tail":
+            assert "mul.rn.f32" in ptx or "mul.f32" in ptx
+            assert "add.rn.f32" in ptx or "add.f32" in ptx
+            assert "cvt.rn.bf16.f32" in ptx

@@ -18,11 +18,15 @@ the weight in, y and one fp32 per row out; its backward x, the weight, dy and th
 dx out. The LoRA tail, PEFT's fp32 `result + B(A(x.float())) * s` cast back: x and the two factors
 in, the result out, the base output read once; its backward the same the other way), so
 the difference to the full count is what fusing that piece would save. The base matmuls stay.
+"lora kernels" runs stages/weights/lora_kernels.py's ops themselves (runtime.lora_kernels), each counted
+with its inputs and outputs (its backward's four kernels read g twice). "ops" counts the ATen ops,
+about the kernels an eager step launches.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import sys
 from pathlib import Path
@@ -59,6 +63,9 @@ class _Count(TorchDispatchMode):
                 name = f"_to_copy {i.dtype} -> {o.dtype}".replace("torch.", "")
             self.ops[name] += _bytes(tree_leaves((args, kwargs))) + _bytes(tree_leaves(out))
             self.calls[name] += 1
+            if name == "lora_grads":  # (stages/weights/lora_kernels.py: four kernels, two of them read g)
+                self.ops[name] += _bytes([args[0]])
+                self.calls[name] += 3
         return out
 
 
@@ -124,11 +131,12 @@ def count(arch: str, batch: int, length: int, ckpt: bool, fuse: set[str],
     of its no-grad forward without adapters (the teacher's scoring forward)."""
     global COUNT
     from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora.layer import Linear as LoraLinear
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from stages.engine import graphs
     from stages.run.config import LoraCfg
-    from stages.weights import models
+    from stages.weights import lora_kernels, models
 
     spec = {k: v for k, v in models.arch_config(arch).items() if k != "_comment"}
     cfg = AutoConfig.for_model(**spec)
@@ -152,6 +160,8 @@ def count(arch: str, batch: int, length: int, ckpt: bool, fuse: set[str],
             mod.forward = _rmsnorm_stand_in(mod)
         if "lora" in fuse and hasattr(mod, "lora_A") and hasattr(mod, "base_layer"):
             mod.forward = _lora_stand_in(mod)
+        if "kernels" in fuse and type(mod) is LoraLinear and lora_kernels.fits(mod):
+            mod.forward = functools.partial(lora_kernels.forward, mod)  # (their ops' meta shapes)
     inner = models.base_of(p).model
     ids = torch.zeros(batch, length, dtype=torch.long, device="meta")
     _, mask = graphs.padded(ids, torch.ones(batch, length, dtype=torch.long, device="meta"), length)
@@ -190,12 +200,14 @@ def main(argv=None) -> int:
     res = {"workload": args.workload, "phase": args.phase, "model": arch, "batch": w["prompts"], "length": length,
            "activation_checkpointing": ckpt, "bandwidth_gbs": args.bandwidth_gbs, "variants": {}}
     variants = (("eager", set()), ("rmsnorm fused", {"rmsnorm"}), ("lora tail fused", {"lora"}),
-                ("both fused", {"rmsnorm", "lora"}))
+                ("both fused", {"rmsnorm", "lora"}), ("lora kernels", {"kernels"}),
+                ("rmsnorm fused + lora kernels", {"rmsnorm", "kernels"}))
     for name, fuse in variants if train else variants[:2]:
         ops, calls = count(arch, w["prompts"], length, ckpt, fuse, train)
         total = sum(ops.values())
         eager = res["variants"].get("eager", {}).get("total_gb", total / 1e9) * 1e9
         res["variants"][name] = {"total_gb": round(total / 1e9, 1), "saved_gb": round((eager - total) / 1e9, 1),
+                                 "calls": sum(calls.values()),
                                  "saved_ms": ms(eager - total),
                                  "top": [{"op": k, "calls": calls[k], "gb": round(b / 1e9, 1), "ms": ms(b)}
                                          for k, b in ops.most_common(14)]}
@@ -207,9 +219,10 @@ def main(argv=None) -> int:
              f"{args.bandwidth_gbs}`: bytes each ATen op reads and writes in {what} "
              f"(meta tensors; attention as one fused kernel), priced at {args.bandwidth_gbs} GB/s. A model of the "
              "memory traffic, not a timing.", "",
-             "| variant | GB moved | GB less than eager | that at the bandwidth, ms |", "|---|---|---|---|"]
+             "| variant | GB moved | GB less than eager | that at the bandwidth, ms | ops (kernels) |",
+             "|---|---|---|---|---|"]
     for name, v in res["variants"].items():
-        lines.append(f"| {name} | {v['total_gb']} | {v['saved_gb']} | {v['saved_ms']} |")
+        lines.append(f"| {name} | {v['total_gb']} | {v['saved_gb']} | {v['saved_ms']} | {v['calls']} |")
     lines += ["", "Eager, the ops that move the most:", "", "| op | calls | GB | ms |", "|---|---|---|---|"]
     lines += [f"| {t['op']} | {t['calls']} | {t['gb']} | {t['ms']} |" for t in res["variants"]["eager"]["top"]]
     print("\n".join(lines))

@@ -100,9 +100,14 @@ class ObjectiveCfg:
     cross_tokenizer: str = "off"
 
 
+# stages/weights/lora_kernels.py holds [64, r] tiles: past this rank they would spill registers or outgrow
+# shared memory, and PEFT's forward computes the branch instead
+LORA_KERNELS_MAX_RANK = 64
+
+
 @dataclass
 class LoraCfg:
-    r: int = 16
+    r: int = 16  # (on CUDA up to LORA_KERNELS_MAX_RANK the branch runs as stages/weights/lora_kernels.py's kernels)
     alpha: int = 32
     dropout: float = 0.0
     target_modules: list[str] = field(

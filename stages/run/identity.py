@@ -19,7 +19,7 @@ import torch
 
 from .. import objectives
 from . import reproducible
-from .config import Config, slice_of
+from .config import LORA_KERNELS_MAX_RANK, Config, slice_of
 from .store import digest
 
 
@@ -169,9 +169,8 @@ def _declared(stage: str, names) -> None:
 
 
 def quantized_sampling(c: Any, *roles: str) -> dict:
-    """An NF4 role with dense_copy=false samples through transformers over its 4-bit weights, not from
-    the engine's dense copy: a key for each such role of evaluate and tooleval (rollout: its `engine` key);
-    only then, so that every other digest stays what it was."""
+    """An NF4 role with dense_copy=false samples through transformers over its 4-bit weights, not the engine's
+    dense copy: a key for each such role of evaluate and tooleval (rollout: its `engine` key), only then."""
     return {f"{r}_sampling": "nf4-transformers" for r in roles if not getattr(c, r).dense_copy}  # (validation: nf4)
 
 
@@ -364,8 +363,9 @@ def compiled_layers(cfg, mcfg, device_type: str) -> bool:
 
 def lora_kernels(cfg, mcfg, device_type: str) -> bool:
     """A model's LoRA computes through stages/weights/lora_kernels.py (CUDA, bf16, unquantized, not compiled)."""
-    return device_type == "cuda" and cfg.runtime.lora_kernels and cfg.runtime.dtype != "float32" \
-        and mcfg.quant == "none" and not compiled_layers(cfg, mcfg, device_type)
+    return (device_type == "cuda" and cfg.runtime.lora_kernels and cfg.runtime.dtype != "float32" and mcfg.quant ==
+            "none" and cfg.lora.dropout == 0 and cfg.lora.r <= LORA_KERNELS_MAX_RANK and not compiled_layers(
+                cfg, mcfg, device_type))
 
 
 def runtime_slice(cfg, device_type: str, dtype, forward_length: Callable[[], int], graphed: set[str]) -> dict:

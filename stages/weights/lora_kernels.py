@@ -29,6 +29,8 @@ import functools
 
 import torch
 
+from ..run.config import LORA_KERNELS_MAX_RANK
+
 try:
     import triton
     import triton.language as tl
@@ -45,11 +47,13 @@ def usable(layer) -> bool:
 
 
 def fits(layer) -> bool:
-    """A plain Linear base in half precision, one plain LoRA adapter in fp32 without dropout or bias,
-    not merged (the kernels' arithmetic; the CPU tests run it through Triton's interpreter)."""
+    """A plain Linear base in half precision, one plain LoRA adapter in fp32 of rank up to
+    LORA_KERNELS_MAX_RANK without dropout or bias, not merged (the kernels' arithmetic; the CPU tests
+    run it through Triton's interpreter)."""
     base, names = layer.get_base_layer(), list(layer.lora_A)
     return (type(base) is torch.nn.Linear and base.weight.dtype in (torch.bfloat16, torch.float16)
-            and len(names) == 1 and not layer.lora_variant and not layer.merged
+            and len(names) == 1 and layer.r[names[0]] <= LORA_KERNELS_MAX_RANK and not layer.lora_variant
+            and not layer.merged
             and isinstance(layer.lora_dropout[names[0]], torch.nn.Identity)
             and layer.lora_A[names[0]].weight.dtype == torch.float32 and layer.lora_B[names[0]].bias is None)
 
@@ -69,11 +73,12 @@ def install(model) -> int:
 
 def forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """What PEFT's `Linear.forward(x)` computes, its LoRA branch through the kernels: x [..., in] ->
-    [..., out]. With the adapters off it is the base layer, as in PEFT."""
+    [..., out]. With the adapters off (or merged) it is the base layer, as in PEFT."""
     base = layer.get_base_layer()
-    if layer.disable_adapters or not layer.active_adapters or layer.active_adapters[0] not in layer.lora_A:
+    names = layer.active_adapters
+    if layer.disable_adapters or layer.merged or not names or names[0] not in layer.lora_A:
         return base(x, *args, **kwargs)
-    name = layer.active_adapters[0]
+    name = names[0]
     result = base(x, *args, **kwargs)
     return Lora.apply(x, result, layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name]))
 
@@ -117,7 +122,7 @@ def tail(result: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, s: float) -> t
     """y [N, O] = result's dtype(f32(result) + (xa @ b.T) * s); result [N, O], xa [N, r] f32, b [O, r] f32."""
     result, xa, b = result.contiguous(), xa.contiguous(), b.contiguous()
     (N, O), r = result.shape, b.shape[1]
-    y = torch.empty_like(result)
+    y = torch.empty_like(result)  # (result is contiguous here, so y is)
     _tail[(triton.cdiv(N, BLOCK), triton.cdiv(O, BLOCK))](result, xa, b, y, N, O, r, s, R=_pad(r), B=BLOCK,
                                                           enable_fp_fusion=False)
     return y
@@ -125,7 +130,7 @@ def tail(result: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, s: float) -> t
 
 @tail.register_fake
 def _(result, xa, b, s):
-    return torch.empty_like(result)
+    return torch.empty_like(result, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("opd::lora_grads", mutates_args=())
@@ -148,7 +153,7 @@ def grads(g: torch.Tensor, x: torch.Tensor, xa: torch.Tensor, a: torch.Tensor, b
 
 @grads.register_fake
 def _(g, x, xa, a, b, s):
-    return torch.empty_like(x), a.new_empty(a.shape), b.new_empty(b.shape)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), a.new_empty(a.shape), b.new_empty(b.shape)
 
 
 def _wgrad(m: torch.Tensor, v: torch.Tensor, s: float, transposed: bool = False) -> torch.Tensor:
@@ -172,7 +177,7 @@ if triton is not None:
     def _to_rank(p, w, out, N, K, Rt, s, sw_k, sw_r, SCALE: tl.constexpr, R: tl.constexpr, B: tl.constexpr):
         """out [N, Rt] f32 = (f32(p) [* s]) @ w for p [N, K]; w's element (k, j) at k * sw_k + j * sw_r: a.T
         (a [r, K]: sw_k = 1, sw_r = K) or b (b [O, r]: sw_k = r, sw_r = 1). One program per B rows."""
-        rows = tl.program_id(0) * B + tl.arange(0, B)
+        rows = (tl.program_id(0) * B + tl.arange(0, B)).to(tl.int64)
         rs = tl.arange(0, R)
         acc = tl.zeros((B, R), dtype=tl.float32)
         for k0 in range(0, K, B):
@@ -189,7 +194,7 @@ if triton is not None:
     @triton.jit
     def _from_rank(gxa, a, gx, N, K, Rt, R: tl.constexpr, B: tl.constexpr):
         """gx [N, K] = gx's dtype(gxa [N, Rt] @ a [Rt, K]), one [B, B] tile per program."""
-        rows = tl.program_id(0) * B + tl.arange(0, B)
+        rows = (tl.program_id(0) * B + tl.arange(0, B)).to(tl.int64)
         cols = tl.program_id(1) * B + tl.arange(0, B)
         rs = tl.arange(0, R)
         gt = tl.load(gxa + rows[:, None] * Rt + rs[None, :], mask=(rows[:, None] < N) & (rs[None, :] < Rt), other=0.0)
@@ -201,7 +206,7 @@ if triton is not None:
     @triton.jit
     def _tail(res, xa, b, y, N, O, Rt, s, R: tl.constexpr, B: tl.constexpr):
         """y [N, O] = y's dtype(f32(res) + (xa @ b.T) * s), one [B, B] tile per program."""
-        rows = tl.program_id(0) * B + tl.arange(0, B)
+        rows = (tl.program_id(0) * B + tl.arange(0, B)).to(tl.int64)
         cols = tl.program_id(1) * B + tl.arange(0, B)
         rs = tl.arange(0, R)
         xt = tl.load(xa + rows[:, None] * Rt + rs[None, :], mask=(rows[:, None] < N) & (rs[None, :] < Rt), other=0.0)
@@ -219,7 +224,7 @@ if triton is not None:
         rs = tl.arange(0, R)
         acc = tl.zeros((B, R), dtype=tl.float32)
         for n0 in range(tl.program_id(1) * SPLIT, tl.program_id(1) * SPLIT + SPLIT, B):
-            ns = n0 + tl.arange(0, B)
+            ns = (n0 + tl.arange(0, B)).to(tl.int64)
             mt = tl.load(m + ns[:, None] * P + cols[None, :], mask=(ns[:, None] < N) & (cols[None, :] < P),
                          other=0.0).to(tl.float32) * s  # [B rows, B cols]
             vt = tl.load(v + ns[:, None] * Rt + rs[None, :], mask=(ns[:, None] < N) & (rs[None, :] < Rt), other=0.0)

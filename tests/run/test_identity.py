@@ -97,6 +97,7 @@ def test_the_lora_kernels_are_in_the_cuda_runtime_slice_only_where_they_run():
     assert key() == key("teacher.quant=nf4") == "kernels"
     assert key(dev="cpu") is key("runtime.lora_kernels=false") is key("runtime.compile_layers=true") is None
     assert key("runtime.dtype=float32") is None  # (the kernels are for bf16 and fp16 bases)
+    assert key("lora.r=64") == "kernels" and key("lora.r=128") is key("lora.dropout=0.05") is None  # (PEFT's)
     assert key("student.quant=nf4") is key("student.quant=int8") is None
 
 

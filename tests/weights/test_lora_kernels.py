@@ -57,6 +57,9 @@ def test_install_takes_the_plain_fp32_lora_linears_only():
             p.float()
     assert lora_kernels.fits(m.q_proj) and not lora_kernels.usable(m.q_proj)  # (fits; on the CPU: not used)
     assert lora_kernels.install(m) == 0
+    wide = inject_adapter_in_model(LoraConfig(r=128, target_modules=["q_proj"]), Two().to(torch.bfloat16))
+    wide.q_proj.lora_A["default"].float(), wide.q_proj.lora_B["default"].float()
+    assert not lora_kernels.fits(wide.q_proj)  # (past LORA_KERNELS_MAX_RANK: PEFT's forward)
     m.v_proj.lora_dropout["default"] = torch.nn.Dropout(0.1)
     m.q_proj.lora_A["default"].half()
     assert not lora_kernels.fits(m.v_proj) and not lora_kernels.fits(m.q_proj)

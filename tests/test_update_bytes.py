@@ -23,13 +23,16 @@ def test_fused_pieces_move_fewer_bytes_and_attention_runs_once_per_layer():
     # checkpointing recomputes each layer's forward in the backward: attention's forward twice per layer
     _, calls = update_bytes.count("tiny-llama", 2, 64, True, set())
     assert calls["attention (fused)"] == 2 * L
-    # the LoRA kernels' own ops: one of each per projection (7 a layer), far fewer ops than PEFT's eager
-    # passes, and the bytes the fused stand-in gives plus what the kernels do beyond it (the backward
-    # reads g twice; the rank-r products' fp32 [N, r] in and out)
-    ops, kcalls = update_bytes.count("tiny-llama", 2, 64, False, {"kernels"})
+    # the LoRA kernels' own ops: one of each per projection (7 a layer; the backward's four kernels), fewer
+    # ops than PEFT's eager passes, and at a real width (SmolLM2-360M) fewer bytes, about the fused stand-in's
+    # (at the tiny model's width 64 the rank-16 fp32 products weigh as much as what they save)
+    _, kcalls = update_bytes.count("tiny-llama", 2, 64, False, {"kernels"})
     eager_calls = sum(update_bytes.count("tiny-llama", 2, 64, False, set())[1].values())
     assert kcalls["lora_down"] == kcalls["lora_tail"] == 7 * L and kcalls["lora_grads"] == 4 * 7 * L
-    assert sum(kcalls.values()) < eager_calls and totals["lora"] < sum(ops.values()) < totals["eager"]
+    assert sum(kcalls.values()) < eager_calls
+    real = {k: sum(update_bytes.count("smollm2-360m", 1, 64, False, f)[0].values())
+            for k, f in (("eager", set()), ("kernels", {"kernels"}), ("lora", {"lora"}))}
+    assert real["kernels"] < 0.75 * real["eager"] and abs(real["kernels"] - real["lora"]) < 0.05 * real["lora"]
     ops, calls = update_bytes.count("tiny-llama", 2, 64, False, set(), train=False)
     assert calls["attention (fused)"] == L and "attention (fused) backward" not in calls
     assert 0 < sum(ops.values()) < totals["eager"] / 2

@@ -79,8 +79,10 @@ def forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if layer.disable_adapters or layer.merged or not names or names[0] not in layer.lora_A:
         return base(x, *args, **kwargs)
     name = names[0]
-    result = base(x, *args, **kwargs)
-    return Lora.apply(x, result, layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name]))
+    a, b, s = layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name])
+    if base.weight.requires_grad or base.bias is not None and base.bias.requires_grad:
+        return Lora.apply(x, base(x, *args, **kwargs), a, b, s)  # (a trained base: autograd's linear backward)
+    return LoraLinear.apply(x, base.weight, base.bias, a, b, s)
 
 
 class Lora(torch.autograd.Function):
@@ -99,6 +101,27 @@ class Lora(torch.autograd.Function):
         g2 = g.reshape(-1, g.shape[-1])
         gx, ga, gb = grads(g2, x2, xa, a, b, ctx.s)
         return gx.view(ctx.shape), g, ga, gb, None
+
+
+class LoraLinear(torch.autograd.Function):
+    """`Lora` with the frozen base matmul inside: its input gradient and the branch's are added in the
+    branch's last kernel (rounded as autograd adds the two bf16 gradients), not by autograd after it."""
+    @staticmethod
+    def forward(ctx, x, w, bias, a, b, s):  # w [O, K], bias [O] or None: the base Linear's, frozen
+        result = torch.nn.functional.linear(x, w, bias)  # (what the base layer computes, the same call)
+        x2 = x.reshape(-1, x.shape[-1])  # [N, K]
+        xa = down(x2, a)  # [N, r] f32
+        y = tail(result.reshape(-1, result.shape[-1]), xa, b, s)  # [N, O]
+        ctx.save_for_backward(x2, xa, a, b, w)
+        ctx.s, ctx.shape = s, x.shape
+        return y.view(result.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, xa, a, b, w = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        gx, ga, gb = grads(g2, x2, xa, a, b, ctx.s, g2 @ w)  # (g2 @ w: the base's input gradient [N, K])
+        return gx.view(ctx.shape), None, None, ga, gb, None
 
 
 @torch.library.custom_op("opd::lora_down", mutates_args=())
@@ -135,9 +158,10 @@ def _(result, xa, b, s):
 
 @torch.library.custom_op("opd::lora_grads", mutates_args=())
 def grads(g: torch.Tensor, x: torch.Tensor, xa: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-          s: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          s: float, base: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The LoRA branch's backward, g [N, O] the output's gradient: (gx [N, K] in x's dtype, ga [r, K] f32,
-    gb [O, r] f32); x [N, K], xa [N, r] f32 (the forward's), a [r, K] f32, b [O, r] f32."""
+    gb [O, r] f32); x [N, K], xa [N, r] f32 (the forward's), a [r, K] f32, b [O, r] f32; base [N, K] in
+    x's dtype or None: a gradient gx adds to (dtype(f32(base) + f32(dtype(gxa @ a))), as autograd adds two)."""
     g, x, xa, a, b = (t.contiguous() for t in (g, x, xa, a, b))
     (N, O), K, r = g.shape, x.shape[1], a.shape[0]
     gxa = torch.empty((N, r), dtype=torch.float32, device=g.device)  # (f32(g) * s) @ b
@@ -145,14 +169,15 @@ def grads(g: torch.Tensor, x: torch.Tensor, xa: torch.Tensor, a: torch.Tensor, b
                                        enable_fp_fusion=False)
     gb = _wgrad(g, xa, s)  # [O, r]
     ga = _wgrad(x, gxa, 1.0, transposed=True)  # [r, K]
-    gx = torch.empty_like(x)  # x's dtype(gxa @ a)
-    _from_rank[(triton.cdiv(N, BLOCK), triton.cdiv(K, BLOCK))](gxa, a, gx, N, K, r, R=_pad(r), B=BLOCK,
-                                                               enable_fp_fusion=False)
+    gx = torch.empty_like(x)  # x's dtype(gxa @ a) [+ base]
+    _from_rank[(triton.cdiv(N, BLOCK), triton.cdiv(K, BLOCK))](
+        gxa, a, gx, gx if base is None else base.contiguous(), N, K, r, HAS_BASE=base is not None, R=_pad(r), B=BLOCK,
+        enable_fp_fusion=False)
     return gx, ga, gb
 
 
 @grads.register_fake
-def _(g, x, xa, a, b, s):
+def _(g, x, xa, a, b, s, base=None):
     return torch.empty_like(x, memory_format=torch.contiguous_format), a.new_empty(a.shape), b.new_empty(b.shape)
 
 
@@ -192,8 +217,9 @@ if triton is not None:
         tl.store(out + rows[:, None] * Rt + rs[None, :], acc, mask=(rows[:, None] < N) & (rs[None, :] < Rt))
 
     @triton.jit
-    def _from_rank(gxa, a, gx, N, K, Rt, R: tl.constexpr, B: tl.constexpr):
-        """gx [N, K] = gx's dtype(gxa [N, Rt] @ a [Rt, K]), one [B, B] tile per program."""
+    def _from_rank(gxa, a, gx, base, N, K, Rt, HAS_BASE: tl.constexpr, R: tl.constexpr, B: tl.constexpr):
+        """gx [N, K] = gx's dtype(gxa [N, Rt] @ a [Rt, K]) (HAS_BASE: then added to base [N, K] in fp32 and
+        rounded again, autograd's sum of two gradients), one [B, B] tile per program."""
         rows = (tl.program_id(0) * B + tl.arange(0, B)).to(tl.int64)
         cols = tl.program_id(1) * B + tl.arange(0, B)
         rs = tl.arange(0, R)
@@ -201,7 +227,11 @@ if triton is not None:
         at = tl.load(a + rs[:, None] * K + cols[None, :], mask=(rs[:, None] < Rt) & (cols[None, :] < K), other=0.0)
         acc = tl.dot(gt, at, input_precision="ieee")  # [B, B]
         m = (rows[:, None] < N) & (cols[None, :] < K)
-        tl.store(gx + rows[:, None] * K + cols[None, :], acc.to(gx.dtype.element_ty), mask=m)
+        out = acc.to(gx.dtype.element_ty)
+        if HAS_BASE:
+            out = (tl.load(base + rows[:, None] * K + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                   + out.to(tl.float32)).to(gx.dtype.element_ty)
+        tl.store(gx + rows[:, None] * K + cols[None, :], out, mask=m)
 
     @triton.jit
     def _tail(res, xa, b, y, N, O, Rt, s, R: tl.constexpr, B: tl.constexpr):

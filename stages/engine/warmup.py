@@ -268,13 +268,13 @@ def _teacher_forced(d, B, T, r, dtype, device, train: bool, kernels: bool = Fals
         return weight * F.rms_norm(x, (x.shape[-1],), None, d["eps"])
 
     def proj(x, n_out, n_in):  # base matmul + peft's LoRA branch (adapters in fp32)
-        y = F.linear(x, w(n_out, n_in))
+        wt = w(n_out, n_in)
         if not r:
-            return y
+            return F.linear(x, wt)
         a, b = _full((r, n_in), 0.01, torch.float32, device, train), _full((n_out, r), 0.01, torch.float32, device, train)
-        if kernels:
-            return lora_kernels.Lora.apply(x, y, a, b, 2.0)
-        return (y + F.linear(F.linear(x.float(), a), b) * 2.0).to(dtype)
+        if kernels:  # (the frozen base inside, as lora_kernels.forward runs it)
+            return lora_kernels.LoraLinear.apply(x, wt, None, a, b, 2.0)
+        return (F.linear(x, wt) + F.linear(F.linear(x.float(), a), b) * 2.0).to(dtype)
 
     with torch.set_grad_enabled(train):
         x = F.embedding(ids, w(V, E))  # [B, T, E]

@@ -73,39 +73,19 @@ def install(model) -> int:
 
 def forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """What PEFT's `Linear.forward(x)` computes, its LoRA branch through the kernels: x [..., in] ->
-    [..., out]. With the adapters off (or merged) it is the base layer, as in PEFT."""
-    base = layer.get_base_layer()
-    names = layer.active_adapters
-    if layer.disable_adapters or layer.merged or not names or names[0] not in layer.lora_A:
-        return base(x, *args, **kwargs)
+    [..., out]. Adapters off or merged, a base being trained, or PEFT's extra arguments: PEFT's forward."""
+    base, names = layer.get_base_layer(), layer.active_adapters
+    if (layer.disable_adapters or layer.merged or not names or names[0] not in layer.lora_A or args or kwargs
+            or any(p.requires_grad for p in base.parameters())):
+        return type(layer).forward(layer, x, *args, **kwargs)
     name = names[0]
-    a, b, s = layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name])
-    if base.weight.requires_grad or base.bias is not None and base.bias.requires_grad:
-        return Lora.apply(x, base(x, *args, **kwargs), a, b, s)  # (a trained base: autograd's linear backward)
-    return LoraLinear.apply(x, base.weight, base.bias, a, b, s)
-
-
-class Lora(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, result, a, b, s):  # x [..., K], result [..., O], a [r, K] f32, b [O, r] f32
-        x2 = x.reshape(-1, x.shape[-1])  # [N, K]
-        xa = down(x2, a)  # [N, r] f32
-        y = tail(result.reshape(-1, result.shape[-1]), xa, b, s)  # [N, O]
-        ctx.save_for_backward(x2, xa, a, b)
-        ctx.s, ctx.shape = s, x.shape
-        return y.view(result.shape)
-
-    @staticmethod
-    def backward(ctx, g):
-        x2, xa, a, b = ctx.saved_tensors
-        g2 = g.reshape(-1, g.shape[-1])
-        gx, ga, gb = grads(g2, x2, xa, a, b, ctx.s)
-        return gx.view(ctx.shape), g, ga, gb, None
+    return LoraLinear.apply(x, base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight,
+                            float(layer.scaling[name]))
 
 
 class LoraLinear(torch.autograd.Function):
-    """`Lora` with the frozen base matmul inside: its input gradient and the branch's are added in the
-    branch's last kernel (rounded as autograd adds the two bf16 gradients), not by autograd after it."""
+    """The base Linear (frozen) and its LoRA branch through the kernels; the base's input gradient and the
+    branch's are added in the branch's last kernel (rounded as autograd adds two bf16 gradients)."""
     @staticmethod
     def forward(ctx, x, w, bias, a, b, s):  # w [O, K], bias [O] or None: the base Linear's, frozen
         result = torch.nn.functional.linear(x, w, bias)  # (what the base layer computes, the same call)

@@ -57,6 +57,13 @@ def test_install_takes_the_plain_fp32_lora_linears_only():
             p.float()
     assert lora_kernels.fits(m.q_proj) and not lora_kernels.usable(m.q_proj)  # (fits; on the CPU: not used)
     assert lora_kernels.install(m) == 0
+    # where the kernels do not apply, `forward` is PEFT's own (no kernel runs: this is the CPU, no interpreter)
+    x = torch.randn(3, 8).to(torch.bfloat16)
+    m.q_proj.base_layer.weight.requires_grad_(True)  # a base being trained
+    assert torch.equal(lora_kernels.forward(m.q_proj, x), type(m.q_proj).forward(m.q_proj, x))
+    m.q_proj.base_layer.weight.requires_grad_(False)
+    m.q_proj.enable_adapters(False)  # (as PEFT's `disable_adapter()` does)
+    assert torch.equal(lora_kernels.forward(m.q_proj, x), m.q_proj.base_layer(x))
     wide = inject_adapter_in_model(LoraConfig(r=128, target_modules=["q_proj"]), Two().to(torch.bfloat16))
     wide.q_proj.lora_A["default"].float(), wide.q_proj.lora_B["default"].float()
     assert not lora_kernels.fits(wide.q_proj)  # (past LORA_KERNELS_MAX_RANK: PEFT's forward)

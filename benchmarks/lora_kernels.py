@@ -9,7 +9,9 @@ Per workload: one decoder layer's seven LoRA Linears (q, k, v, o, gate, up, down
 the workload's student, bf16 bases, r 16 in fp32 as lora.add makes them), each over the workload's
 rows (prompts x (prompt + response) positions), inputs and output gradients random. A step is the
 seven forwards then the seven backwards; the median over --iters steps (CUDA events) per variant,
-interleaved, and that times the student's layer count. Also the memory each variant's forwards keep
+interleaved, and that times the student's layer count: launched one by one (eager, the CPU's dispatch
+included) and replayed from a CUDA graph of the step (as the update runs where runtime.cuda_graphs is on:
+the GPU's time alone). Also the memory each variant's forwards keep
 for the backward, and the share of outputs whose bytes agree (tests/lora_kernel_cases.py bounds the
 rest). Writes lora-kernels.json and .md under --out.
 """
@@ -76,26 +78,67 @@ def run(w: dict, iters: int, device: str, dtype) -> dict:
             torch.cuda.synchronize()
         return (start.elapsed_time(end) / 1e3 if cuda else time.perf_counter() - t), kept, [ys[n].detach() for n in data]
 
+    def zero(variant: str) -> None:
+        for layer in layers.values():
+            layer[variant].zero_grad(set_to_none=True)
+
+    def graph(variant: str):
+        """The step captured (its inputs and output gradients fixed; gradients written, not added, as the
+        capture found them unset)."""
+        xs = {n: x.detach().requires_grad_() for n, (x, _) in data.items()}
+
+        def body():
+            for n, y in {n: layers[n][variant](xs[n]) for n in data}.items():
+                y.backward(data[n][1])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+        zero(variant)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            body()
+        return g
+
+    def replay(g) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    variants = ("peft", "kernels")
     for _ in range(3):  # (first calls: Triton's compilations, cuBLAS's choices)
         step("peft"), step("kernels")
-    times, kept, same = {"peft": [], "kernels": []}, {}, None
+    times, kept, same = {v: [] for v in variants}, {}, None
     for _ in range(iters):
-        for v in ("peft", "kernels"):
+        for v in variants:
             t, kept[v], ys = step(v)
             times[v].append(t)
             if v == "peft":
                 ref = ys
             else:
                 same = sum(int((a == b).sum()) for a, b in zip(ref, ys)) / sum(a.numel() for a in ys)
-        for layer in layers.values():
-            for m in layer.values():
-                m.zero_grad(set_to_none=True)
+            zero(v)
+    graphed = {}
+    if cuda:
+        graphs = {v: graph(v) for v in variants}
+        replays = {v: [] for v in variants}
+        for _ in range(iters):
+            for v in variants:
+                replays[v].append(replay(graphs[v]))
+        graphed = {v: statistics.median(ts) for v, ts in replays.items()}
     L = arch["num_hidden_layers"]
     med = {v: statistics.median(ts) for v, ts in times.items()}
     return {"student": w["student"], "rows": N, "layers": L, "iters": iters,
             "layer_s": {v: round(t, 6) for v, t in med.items()},
             "model_s": {v: round(t * L, 4) for v, t in med.items()},
             "speedup": round(med["peft"] / med["kernels"], 3),
+            "graphed_layer_s": {v: round(t, 6) for v, t in graphed.items()},
+            "graphed_model_s": {v: round(t * L, 4) for v, t in graphed.items()},
+            "graphed_speedup": round(graphed["peft"] / graphed["kernels"], 3) if graphed else None,
             "kept_gib_per_layer": {v: round(b / 2 ** 30, 4) for v, b in kept.items()},
             "outputs_identical": round(same, 4)}
 
@@ -119,13 +162,17 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "lora-kernels.json").write_text(json.dumps(res, indent=1) + "\n")
     md = [f"# The LoRA projections: PEFT and lora_kernels ({res['device']}, torch {res['torch']})", "",
-          "| workload | student, rows | one layer: PEFT | kernels | x | whole model: PEFT | kernels | kept per layer: "
-          "PEFT | kernels | outputs identical |", "|---|---|---|---|---|---|---|---|---|---|"]
+          "| workload | student, rows | one layer: PEFT | kernels | x | graphed: PEFT | kernels | x | whole model "
+          "graphed: PEFT | kernels | kept per layer: PEFT | kernels | outputs identical |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ms = lambda d, v: f"{d[v] * 1e3:.3f} ms" if d else "-"  # noqa: E731
     for k, r in rows.items():
-        md.append(f"| {k} | {r['student']}, {r['rows']} | {r['layer_s']['peft'] * 1e3:.2f} ms | "
-                  f"{r['layer_s']['kernels'] * 1e3:.2f} ms | {r['speedup']} | {r['model_s']['peft']} s | "
-                  f"{r['model_s']['kernels']} s | {r['kept_gib_per_layer']['peft']} GiB | "
-                  f"{r['kept_gib_per_layer']['kernels']} GiB | {r['outputs_identical']} |")
+        g = r["graphed_layer_s"]
+        md.append(f"| {k} | {r['student']}, {r['rows']} | {ms(r['layer_s'], 'peft')} | {ms(r['layer_s'], 'kernels')} | "
+                  f"{r['speedup']} | {ms(g, 'peft')} | {ms(g, 'kernels')} | {r['graphed_speedup'] or '-'} | "
+                  f"{r['graphed_model_s'].get('peft', '-')} s | {r['graphed_model_s'].get('kernels', '-')} s | "
+                  f"{r['kept_gib_per_layer']['peft']} GiB | {r['kept_gib_per_layer']['kernels']} GiB | "
+                  f"{r['outputs_identical']} |")
     (args.out / "lora-kernels.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

@@ -435,6 +435,7 @@ CROSS_TOKENIZER = Path(os.environ.get("OPD_CROSS_TOKENIZER", ROOT / ".bench" / "
 # our arms beside the default: overrides, and the seconds one needs before the deadline
 OURS_ARMS = {
     "nographs": (("runtime.cuda_graphs=false",), 45),  # score and update forwards eager (what the graphs save)
+    "peft_lora": (("runtime.lora_kernels=false",), 45),  # the LoRA branch as PEFT computes it (the kernels' gain)
     "layers": (("runtime.compile_layers=true",), 60),  # compiled decoder layers for update and score (long runs)
     "eager": (("runtime.compile=false",), 45),  # the decode step without torch.compile (the fallback path)
     "ckpt": (("train.activation_checkpointing=true",), 45),  # one more forward for less update-phase memory
@@ -489,6 +490,7 @@ B_DEFAULT = ("train.activation_checkpointing=true", "train.chunk=1024")
 B_ARMS = {
     "layers": ("runtime.compile_layers=true",),  # compiled decoder layers for update and score
     "chunk4096": ("train.chunk=4096",),  # the LM head and loss over 4,096 positions at a time
+    "peft_lora": ("runtime.lora_kernels=false",),  # the LoRA branch as PEFT computes it (the kernels' gain)
 }
 
 
@@ -499,6 +501,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ours", default="default,nographs,layers,eager,ckpt,nf4",
                     help="our arms: default (the configuration as shipped: compiled decode step on CUDA, "
                          "teacher-forced forwards replayed from CUDA graphs), nographs (runtime.cuda_graphs=false), "
+                         "peft_lora (runtime.lora_kernels=false: PEFT's LoRA branch), "
                          "layers (runtime.compile_layers=true: compiled decoder layers for update and score), "
                          "eager (runtime.compile=false), ckpt (activation checkpointing), nf4 (NF4 student and "
                          "teacher; bitsandbytes), nf4small (those without dense copies or graphs, checkpointing, chunk 128), nf4teacher (NF4 teacher only), nf4teacher_ckpt (with activation checkpointing), "

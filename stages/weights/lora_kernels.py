@@ -15,8 +15,9 @@ PEFT rounds it:
 (gresult = g, as PEFT's casts give it). The matmuls are fp32 (IEEE, no TF32, as PEFT's cuBLAS SGEMMs
 run); only the order of their sums differs from cuBLAS's, so the values differ from PEFT's within
 fp32's bounds for sums of that length (tests/weights/test_lora_kernels.py derives and checks them).
-Each output element is summed by one program in a fixed order, and the weight gradients' sums over
-the rows in splits fixed by the shapes alone, then added by torch in a fixed order: deterministic.
+Each output element is summed in a fixed order: the products over the input width (into rank r) and the
+weight gradients' sums over the rows in chunks fixed by the shapes alone (enough programs for the GPU at
+a few hundred rows), the chunks' partial sums then added by torch in a fixed order: deterministic.
 Triton's FP fusion is off in every launch (pinned: its default flips in Triton 3.10), so a multiply
 and an add round separately, as PEFT's do.
 
@@ -38,7 +39,11 @@ except ImportError:  # CPU builds of torch ship no Triton
     triton = None
 
 BLOCK = 64  # rows and columns per program's tile
-SPLIT = 1024  # rows per program in the weight gradients' sums over the rows (a multiple of BLOCK)
+SPLIT = 1024  # the most rows per program in the weight gradients' sums over the rows (a multiple of BLOCK)
+# Programs a launch aims for: a sum is cut into chunks (each a program, partial sums added by torch) until
+# there are this many. With one program per 64 rows, workload a's 768 rows made launches of 12 programs
+# on the GPU's 132 SMs, and the kernels ran slower than PEFT's (docs/performance.md).
+PROGRAMS = 256
 
 
 def usable(layer) -> bool:
@@ -109,10 +114,7 @@ def down(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """xa [N, r] f32 = f32(x) @ a.T; x [N, K] half precision, a [r, K] f32."""
     x, a = x.contiguous(), a.contiguous()
     (N, K), r = x.shape, a.shape[0]
-    xa = torch.empty((N, r), dtype=torch.float32, device=x.device)
-    _to_rank[(triton.cdiv(N, BLOCK),)](x, a, xa, N, K, r, 1.0, 1, K, SCALE=False, R=_pad(r), B=BLOCK,
-                                       enable_fp_fusion=False)
-    return xa
+    return _rank(x, a, 1.0, 1, K, False)
 
 
 @down.register_fake
@@ -144,9 +146,7 @@ def grads(g: torch.Tensor, x: torch.Tensor, xa: torch.Tensor, a: torch.Tensor, b
     x's dtype or None: a gradient gx adds to (dtype(f32(base) + f32(dtype(gxa @ a))), as autograd adds two)."""
     g, x, xa, a, b = (t.contiguous() for t in (g, x, xa, a, b))
     (N, O), K, r = g.shape, x.shape[1], a.shape[0]
-    gxa = torch.empty((N, r), dtype=torch.float32, device=g.device)  # (f32(g) * s) @ b
-    _to_rank[(triton.cdiv(N, BLOCK),)](g, b, gxa, N, O, r, s, r, 1, SCALE=True, R=_pad(r), B=BLOCK,
-                                       enable_fp_fusion=False)
+    gxa = _rank(g, b, s, r, 1, True)  # [N, r]: (f32(g) * s) @ b
     gb = _wgrad(g, xa, s)  # [O, r]
     ga = _wgrad(x, gxa, 1.0, transposed=True)  # [r, K]
     gx = torch.empty_like(x)  # x's dtype(gxa @ a) [+ base]
@@ -161,31 +161,59 @@ def _(g, x, xa, a, b, s, base=None):
     return torch.empty_like(x, memory_format=torch.contiguous_format), a.new_empty(a.shape), b.new_empty(b.shape)
 
 
+def _rank(p: torch.Tensor, w: torch.Tensor, s: float, sw_k: int, sw_r: int, scale: bool) -> torch.Tensor:
+    """[N, r] f32 = (f32(p) [* s]) @ w for p [N, K] (w's element (k, j) at k * sw_k + j * sw_r, r = w.numel() // K):
+    each program sums one chunk of the K products of B rows, torch adds the chunks."""
+    (N, K), r = p.shape, w.numel() // p.shape[1]
+    chunk = _chunk(triton.cdiv(N, BLOCK), K, BLOCK * _pow2(triton.cdiv(K, BLOCK)))
+    chunks = triton.cdiv(K, chunk)
+    part = torch.empty((chunks, N, r), dtype=torch.float32, device=p.device)
+    _to_rank[(triton.cdiv(N, BLOCK), chunks)](p, w, part, N, K, r, s, sw_k, sw_r, chunk, SCALE=scale, R=_pad(r),
+                                               B=BLOCK, enable_fp_fusion=False)
+    return part[0] if chunks == 1 else part.sum(0)
+
+
 def _wgrad(m: torch.Tensor, v: torch.Tensor, s: float, transposed: bool = False) -> torch.Tensor:
     """[P, r] f32 = (f32(m) * s).T @ v for m [N, P], v [N, r] f32 (transposed: its transpose [r, P],
-    stored so): each program sums SPLIT rows of one column block, torch adds the splits."""
+    stored so): each program sums one chunk of the rows (at most SPLIT) of one column block, torch adds
+    the chunks."""
     (N, P), r = m.shape, v.shape[1]
-    splits = triton.cdiv(N, SPLIT)
+    split = _chunk(triton.cdiv(P, BLOCK), N, SPLIT)
+    splits = triton.cdiv(N, split)
     part = torch.empty((splits, r, P) if transposed else (splits, P, r), dtype=torch.float32, device=m.device)
     _wgrad_kernel[(triton.cdiv(P, BLOCK), splits)](m, v, part, N, P, r, s, *((1, P) if transposed else (r, 1)),
-                                                   R=_pad(r), B=BLOCK, SPLIT=SPLIT, enable_fp_fusion=False)
+                                                   split, R=_pad(r), B=BLOCK, enable_fp_fusion=False)
     return part[0] if splits == 1 else part.sum(0)
+
+
+def _chunk(outer: int, length: int, most: int) -> int:
+    """How many of a sum's `length` terms one program adds: the largest power-of-two multiple of BLOCK up to
+    `most` with which `outer` programs per chunk make PROGRAMS programs (else BLOCK). Shapes alone decide it."""
+    c = most
+    while c > BLOCK and outer * triton.cdiv(length, c) < PROGRAMS:
+        c //= 2
+    return c
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def _pad(r: int) -> int:
     """The adapter's rank as a tile dimension: a power of two, at least tl.dot's 16."""
-    return max(16, 1 << (r - 1).bit_length())
+    return max(16, _pow2(r))
 
 
 if triton is not None:
     @triton.jit
-    def _to_rank(p, w, out, N, K, Rt, s, sw_k, sw_r, SCALE: tl.constexpr, R: tl.constexpr, B: tl.constexpr):
-        """out [N, Rt] f32 = (f32(p) [* s]) @ w for p [N, K]; w's element (k, j) at k * sw_k + j * sw_r: a.T
-        (a [r, K]: sw_k = 1, sw_r = K) or b (b [O, r]: sw_k = r, sw_r = 1). One program per B rows."""
+    def _to_rank(p, w, out, N, K, Rt, s, sw_k, sw_r, KC, SCALE: tl.constexpr, R: tl.constexpr, B: tl.constexpr):
+        """out[chunk] [N, Rt] f32 = (f32(p) [* s]) @ w over the chunk's KC of p's K columns, p [N, K]; w's element
+        (k, j) at k * sw_k + j * sw_r: a.T (a [r, K]: sw_k = 1, sw_r = K) or b (b [O, r]: sw_k = r, sw_r = 1).
+        One program per B rows and chunk."""
         rows = (tl.program_id(0) * B + tl.arange(0, B)).to(tl.int64)
         rs = tl.arange(0, R)
         acc = tl.zeros((B, R), dtype=tl.float32)
-        for k0 in range(0, K, B):
+        for k0 in range(tl.program_id(1) * KC, tl.program_id(1) * KC + KC, B):
             ks = k0 + tl.arange(0, B)
             pt = tl.load(p + rows[:, None] * K + ks[None, :], mask=(rows[:, None] < N) & (ks[None, :] < K),
                          other=0.0).to(tl.float32)
@@ -194,6 +222,7 @@ if triton is not None:
             wt = tl.load(w + ks[:, None] * sw_k + rs[None, :] * sw_r, mask=(ks[:, None] < K) & (rs[None, :] < Rt),
                          other=0.0)  # [B, R]
             acc += tl.dot(pt, wt, input_precision="ieee")
+        out = out + tl.program_id(1).to(tl.int64) * N * Rt
         tl.store(out + rows[:, None] * Rt + rs[None, :], acc, mask=(rows[:, None] < N) & (rs[None, :] < Rt))
 
     @triton.jit
@@ -227,8 +256,8 @@ if triton is not None:
         tl.store(y + rows[:, None] * O + cols[None, :], (r.to(tl.float32) + lora).to(y.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _wgrad_kernel(m, v, part, N, P, Rt, s, sp, sr, R: tl.constexpr, B: tl.constexpr, SPLIT: tl.constexpr):
-        """part[split] (element (p, j) at p * sp + j * sr) = sum over the split's rows n of
+    def _wgrad_kernel(m, v, part, N, P, Rt, s, sp, sr, SPLIT, R: tl.constexpr, B: tl.constexpr):
+        """part[split] (element (p, j) at p * sp + j * sr) = sum over the split's SPLIT rows n of
         (f32(m[n, P block]) * s).T @ v[n, :]."""
         cols = tl.program_id(0) * B + tl.arange(0, B)
         rs = tl.arange(0, R)
@@ -239,5 +268,5 @@ if triton is not None:
                          other=0.0).to(tl.float32) * s  # [B rows, B cols]
             vt = tl.load(v + ns[:, None] * Rt + rs[None, :], mask=(ns[:, None] < N) & (rs[None, :] < Rt), other=0.0)
             acc += tl.dot(tl.trans(mt), vt, input_precision="ieee")  # [B cols, R]
-        out = part + tl.program_id(1) * P * Rt
+        out = part + tl.program_id(1).to(tl.int64) * P * Rt
         tl.store(out + cols[:, None] * sp + rs[None, :] * sr, acc, mask=(cols[:, None] < P) & (rs[None, :] < Rt))

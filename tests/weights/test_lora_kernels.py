@@ -17,7 +17,11 @@ import torch
 from stages.weights import lora_kernels
 import lora_kernel_cases as c
 lora_kernels.usable = lora_kernels.fits  # (CPU tensors: the interpreter runs the kernels)
-print(json.dumps([row for seed in range(2) for row in c.check("cpu", torch.float16, c.CPU_SHAPES, seed)]))
+rows = []
+for programs in (lora_kernels.PROGRAMS, 1):  # the sums in chunks (these shapes' rows are few), and whole
+    lora_kernels.PROGRAMS = programs
+    rows += [dict(row, programs=programs) for seed in range(2) for row in c.check("cpu", torch.float16, c.CPU_SHAPES, seed)]
+print(json.dumps(rows))
 """
 
 
@@ -27,7 +31,7 @@ def cases():
 
 
 def test_output_and_gradients_within_the_derived_bounds_as_peft_s(cases):
-    assert len(cases) == 6
+    assert len(cases) == 12
     for row in cases:
         ratios = {k: v for k, v in row.items() if k in ("y", "ga", "gb", "gx_lora", "gx_vs_peft")}
         assert max(ratios.values()) <= 1.0, row
@@ -40,6 +44,19 @@ def test_most_outputs_are_peft_s_bytes(cases):
     # rarely; a kernel that indexed or rounded wrongly would differ almost everywhere
     for row in cases:
         assert row["y_identical"] > 0.9, row
+
+
+def test_the_sums_are_cut_into_chunks_by_the_shapes_until_the_launch_has_enough_programs():
+    pytest.importorskip("triton")
+    from stages.weights.lora_kernels import BLOCK, PROGRAMS, SPLIT, _chunk
+
+    assert PROGRAMS == 256 and BLOCK == 64
+    # workload a's 768 rows, 12 row blocks: K = 960's products in 15 chunks of BLOCK (180 programs, the most)
+    assert _chunk(12, 960, 1024) == 64
+    assert _chunk(12, 2560, 4096) == 64  # (12 x 20 = 240 programs at 128: too few)
+    # the weight gradients at a: 15 column blocks x 12 chunks of 64 rows; at b (40,960 rows) whole SPLITs
+    assert _chunk(15, 768, SPLIT) == 64 and _chunk(16, 40960, SPLIT) == SPLIT
+    assert _chunk(640, 1024, 1024) == 1024  # b's rows: 640 row blocks, K whole
 
 
 def test_install_takes_the_plain_fp32_lora_linears_only():
@@ -74,15 +91,15 @@ def test_install_takes_the_plain_fp32_lora_linears_only():
 
 SIGNATURES = {  # each kernel's arguments as the launches in stages/weights/lora_kernels.py pass them
     "_to_rank": ({"p": "*bf16", "w": "*fp32", "out": "*fp32", "N": "i32", "K": "i32", "Rt": "i32", "s": "fp32",
-                  "sw_k": "i32", "sw_r": "i32", "SCALE": "constexpr", "R": "constexpr", "B": "constexpr"},
+                  "sw_k": "i32", "sw_r": "i32", "KC": "i32", "SCALE": "constexpr", "R": "constexpr", "B": "constexpr"},
                  {"SCALE": True, "R": 16, "B": 64}),
     "_tail": ({"res": "*bf16", "xa": "*fp32", "b": "*fp32", "y": "*bf16", "N": "i32", "O": "i32", "Rt": "i32",
                "s": "fp32", "R": "constexpr", "B": "constexpr"}, {"R": 16, "B": 64}),
     "_from_rank": ({"gxa": "*fp32", "a": "*fp32", "gx": "*bf16", "base": "*bf16", "N": "i32", "K": "i32", "Rt": "i32",
                     "HAS_BASE": "constexpr", "R": "constexpr", "B": "constexpr"}, {"HAS_BASE": True, "R": 16, "B": 64}),
     "_wgrad_kernel": ({"m": "*bf16", "v": "*fp32", "part": "*fp32", "N": "i32", "P": "i32", "Rt": "i32", "s": "fp32",
-                       "sp": "i32", "sr": "i32", "R": "constexpr", "B": "constexpr", "SPLIT": "constexpr"},
-                      {"R": 16, "B": 64, "SPLIT": 1024}),
+                       "sp": "i32", "sr": "i32", "SPLIT": "i32", "R": "constexpr", "B": "constexpr"},
+                      {"R": 16, "B": 64}),
 }
 
 

@@ -10,8 +10,8 @@ the workload's student, bf16 bases, r 16 in fp32 as lora.add makes them), each o
 rows (prompts x (prompt + response) positions), inputs and output gradients random. A step is the
 seven forwards then the seven backwards; the median over --iters steps (CUDA events) per variant,
 interleaved, and that times the student's layer count: launched one by one (eager, the CPU's dispatch
-included) and replayed from a CUDA graph of the step (as the update runs where runtime.cuda_graphs is on:
-the GPU's time alone). Also the memory each variant's forwards keep
+included) and replayed from CUDA graphs of the forwards and of the backward (as the update runs where
+runtime.cuda_graphs is on: little of the CPU's time). Also the memory each variant's forwards keep
 for the backward, and the share of outputs whose bytes agree (tests/lora_kernel_cases.py bounds the
 rest). Writes lora-kernels.json and .md under --out.
 """
@@ -82,31 +82,29 @@ def run(w: dict, iters: int, device: str, dtype) -> dict:
         for layer in layers.values():
             layer[variant].zero_grad(set_to_none=True)
 
+    class Seven(torch.nn.Module):
+        """The layer's seven projections as one module: the seven inputs -> the seven outputs."""
+        def __init__(self, variant: str):
+            super().__init__()
+            self.mods = torch.nn.ModuleList(layers[n][variant] for n in data)
+
+        def forward(self, *xs):
+            return tuple(m(x) for m, x in zip(self.mods, xs))
+
     def graph(variant: str):
-        """The step captured (its inputs and output gradients fixed; gradients written, not added, as the
-        capture found them unset)."""
-        xs = {n: x.detach().requires_grad_() for n, (x, _) in data.items()}
+        """The seven forwards and their backward captured as a pair (make_graphed_callables, as the
+        update's forwards are captured: stages/engine/graphs.py)."""
+        xs = tuple(x.detach().requires_grad_() for x, _ in data.values())
+        return torch.cuda.make_graphed_callables(Seven(variant), xs, num_warmup_iters=1), xs
 
-        def body():
-            for n, y in {n: layers[n][variant](xs[n]) for n in data}.items():
-                y.backward(data[n][1])
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            body()
-        torch.cuda.current_stream().wait_stream(side)
-        zero(variant)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            body()
-        return g
-
-    def replay(g) -> float:
+    def replay(variant: str) -> float:
+        fn, xs = graphs[variant]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        g.replay()
+        torch.autograd.backward(fn(*xs), [g for _, g in data.values()])
         end.record()
         torch.cuda.synchronize()
+        zero(variant)
         return start.elapsed_time(end) / 1e3
 
     variants = ("peft", "kernels")
@@ -128,7 +126,7 @@ def run(w: dict, iters: int, device: str, dtype) -> dict:
         replays = {v: [] for v in variants}
         for _ in range(iters):
             for v in variants:
-                replays[v].append(replay(graphs[v]))
+                replays[v].append(replay(v))
         graphed = {v: statistics.median(ts) for v, ts in replays.items()}
     L = arch["num_hidden_layers"]
     med = {v: statistics.median(ts) for v, ts in times.items()}

@@ -15,7 +15,8 @@
 #    the code before a change in .ab/base (here: `git archive REV stages conf | tar -x -C .ab/base`, .ab in
 #    .git/info/exclude, carried: carry=[".whl", ".bench", ".ab"]), interleaved with the code now; sdpa: benchmarks/sdpa_first_call.py, the first
 #    attention calls per SDPA backend at the seed shapes, a fresh process each; lora: benchmarks/lora_kernels.py,
-#    the student's LoRA projections as PEFT and as stages/weights/lora_kernels.py compute them)
+#    the student's LoRA projections as PEFT and as stages/weights/lora_kernels.py compute them; OPD_LORA_EXTRA: more
+#    of its options, e.g. "--rows 3072,12288" for where the kernels start to win launched eagerly)
 # The embedded GGUF model is over the carry limit, so tests take the tokenizer from .bench
 # (OPD_TEST_TOKENIZER) and the benchmark builds random-init models of the real shapes.
 # Durations seen on the H200 (2026-12-01, with the compiled decode step): tests ~390 s (the byte-
@@ -89,7 +90,8 @@ if has first; then
 fi
 if has lora; then
   # the student's LoRA projections, PEFT against stages/weights/lora_kernels.py (~1 min)
-  python3 benchmarks/lora_kernels.py --out "$out/lora" 2>&1 | tee "$out/lora.log" | tail -12
+  # shellcheck disable=SC2086
+  python3 benchmarks/lora_kernels.py --out "$out/lora" ${OPD_LORA_EXTRA:-} 2>&1 | tee "$out/lora.log" | tail -12
   rc=$(( rc || PIPESTATUS[0] ))
 fi
 if has sdpa; then

@@ -1,7 +1,7 @@
 """The student's LoRA projections, forward and backward, as PEFT computes them and with
 stages/weights/lora_kernels.py's kernels, side by side in one process (CUDA).
 
-    python benchmarks/lora_kernels.py [--workload a,b] [--iters 20] --out DIR
+    python benchmarks/lora_kernels.py [--workload a,b] [--rows 3072,12288] [--iters 20] --out DIR
     TRITON_INTERPRET=1 python benchmarks/lora_kernels.py --smoke --out DIR   (CPU: the driver end to end,
     tiny shapes, fp16, through Triton's interpreter; times of no meaning)
 
@@ -46,9 +46,9 @@ def projections(arch: dict) -> dict[str, tuple[int, int]]:
             "gate_proj": (E, I), "up_proj": (E, I), "down_proj": (I, E)}
 
 
-def run(w: dict, iters: int, device: str, dtype) -> dict:
+def run(w: dict, iters: int, device: str, dtype, rows: int = 0) -> dict:
     arch = models.arch_config(w["student"])
-    N = w["prompts"] * (w["prompt_tokens"] + w["response"])
+    N = rows or w["prompts"] * (w["prompt_tokens"] + w["response"])
     gen = torch.Generator().manual_seed(0)
     cuda = device == "cuda"
     layers, data = {}, {}
@@ -144,6 +144,8 @@ def run(w: dict, iters: int, device: str, dtype) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="a,b")
+    ap.add_argument("--rows", default="", help="more row counts, each workload's student at each (where the "
+                    "kernels start to win launched eagerly, where the CPU's launches weigh more than the GPU's time)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true")
@@ -152,9 +154,11 @@ def main() -> None:
         sys.exit("benchmarks/lora_kernels.py: needs Triton, and CUDA (or --smoke under TRITON_INTERPRET=1)")
     if args.smoke:
         lora_kernels.usable = lora_kernels.fits  # (CPU tensors: the interpreter runs the kernels)
-        rows = {"smoke": run(WORKLOADS["smoke"], 2, "cpu", torch.float16)}
+        cases, iters, device, dtype = ["smoke"], 2, "cpu", torch.float16
     else:
-        rows = {k: run(WORKLOADS[k], args.iters, "cuda", torch.bfloat16) for k in args.workload.split(",")}
+        cases, iters, device, dtype = args.workload.split(","), args.iters, "cuda", torch.bfloat16
+    extra = [int(n) for n in args.rows.split(",") if n]
+    rows = {f"{k}@{n}" if n else k: run(WORKLOADS[k], iters, device, dtype, n) for k in cases for n in [0, *extra]}
     res = {"device": torch.cuda.get_device_name() if not args.smoke else "cpu (Triton's interpreter)",
            "torch": torch.__version__, "workloads": rows}
     args.out.mkdir(parents=True, exist_ok=True)

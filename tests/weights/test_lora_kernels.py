@@ -20,7 +20,8 @@ lora_kernels.usable = lora_kernels.fits  # (CPU tensors: the interpreter runs th
 rows = []
 for programs in (lora_kernels.PROGRAMS, 1):  # the sums in chunks (these shapes' rows are few), and whole
     lora_kernels.PROGRAMS = programs
-    rows += [dict(row, programs=programs) for seed in range(2) for row in c.check("cpu", torch.float16, c.CPU_SHAPES, seed)]
+    rows += [dict(row, programs=programs) for seed in range(2)
+             for row in c.check("cpu", torch.float16, c.CPU_SHAPES, seed)]
 print(json.dumps(rows))
 """
 

@@ -19,8 +19,9 @@ dx out. The LoRA tail, PEFT's fp32 `result + B(A(x.float())) * s` cast back: x a
 in, the result out, the base output read once; its backward the same the other way), so
 the difference to the full count is what fusing that piece would save. The base matmuls stay.
 "lora kernels" runs stages/weights/lora_kernels.py's ops themselves (runtime.lora_kernels), each counted
-with its inputs and outputs (its backward's four kernels read g twice). "ops" counts the ATen ops,
-about the kernels an eager step launches.
+with its inputs and outputs (its backward's four kernels read g twice) and as many launches as it makes
+(`lora_kernels.launches`: its sums of chunked partial sums too, whose few MB of partials are not counted).
+"ops" counts the ATen ops, about the kernels an eager step launches.
 """
 from __future__ import annotations
 
@@ -63,10 +64,21 @@ class _Count(TorchDispatchMode):
                 name = f"_to_copy {i.dtype} -> {o.dtype}".replace("torch.", "")
             self.ops[name] += _bytes(tree_leaves((args, kwargs))) + _bytes(tree_leaves(out))
             self.calls[name] += 1
-            if name == "lora_grads":  # (stages/weights/lora_kernels.py: four kernels, two of them read g)
+            if name.startswith("lora_"):  # (stages/weights/lora_kernels.py's ops: their launches)
+                self.calls[name] += _lora_launches(name, args) - 1
+            if name == "lora_grads":  # (two of its kernels read g)
                 self.ops[name] += _bytes([args[0]])
-                self.calls[name] += 3
         return out
+
+
+def _lora_launches(name: str, args) -> int:
+    from stages.weights import lora_kernels
+
+    if name == "lora_grads":  # (g [N, O], x [N, K], ...)
+        (N, O), K = args[0].shape, args[1].shape[1]
+    else:  # lora_down (x [N, K], a) or lora_tail (result [N, O], ...): one projection's input or output
+        (N, K), O = args[0].shape, args[0].shape[1]
+    return lora_kernels.launches(N, K, O)[name]
 
 
 def _fused(label, like, fwd_in, fwd_out, bwd_in, bwd_out):

@@ -113,8 +113,7 @@ class LoraLinear(torch.autograd.Function):
 def down(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """xa [N, r] f32 = f32(x) @ a.T; x [N, K] half precision, a [r, K] f32."""
     x, a = x.contiguous(), a.contiguous()
-    (N, K), r = x.shape, a.shape[0]
-    return _rank(x, a, 1.0, 1, K, False)
+    return _rank(x, a, 1.0, 1, x.shape[1], False)
 
 
 @down.register_fake
@@ -165,7 +164,7 @@ def _rank(p: torch.Tensor, w: torch.Tensor, s: float, sw_k: int, sw_r: int, scal
     """[N, r] f32 = (f32(p) [* s]) @ w for p [N, K] (w's element (k, j) at k * sw_k + j * sw_r, r = w.numel() // K):
     each program sums one chunk of the K products of B rows, torch adds the chunks."""
     (N, K), r = p.shape, w.numel() // p.shape[1]
-    chunk = _chunk(triton.cdiv(N, BLOCK), K, BLOCK * _pow2(triton.cdiv(K, BLOCK)))
+    chunk = _rank_chunk(N, K)
     chunks = triton.cdiv(K, chunk)
     part = torch.empty((chunks, N, r), dtype=torch.float32, device=p.device)
     _to_rank[(triton.cdiv(N, BLOCK), chunks)](p, w, part, N, K, r, s, sw_k, sw_r, chunk, SCALE=scale, R=_pad(r),
@@ -178,12 +177,31 @@ def _wgrad(m: torch.Tensor, v: torch.Tensor, s: float, transposed: bool = False)
     stored so): each program sums one chunk of the rows (at most SPLIT) of one column block, torch adds
     the chunks."""
     (N, P), r = m.shape, v.shape[1]
-    split = _chunk(triton.cdiv(P, BLOCK), N, SPLIT)
+    split = _wgrad_chunk(N, P)
     splits = triton.cdiv(N, split)
     part = torch.empty((splits, r, P) if transposed else (splits, P, r), dtype=torch.float32, device=m.device)
     _wgrad_kernel[(triton.cdiv(P, BLOCK), splits)](m, v, part, N, P, r, s, *((1, P) if transposed else (r, 1)),
                                                    split, R=_pad(r), B=BLOCK, enable_fp_fusion=False)
     return part[0] if splits == 1 else part.sum(0)
+
+
+def _rank_chunk(N: int, K: int) -> int:
+    """Products over K per program of a rank-r product of N rows (`_to_rank`)."""
+    return _chunk(triton.cdiv(N, BLOCK), K, BLOCK * _pow2(triton.cdiv(K, BLOCK)))
+
+
+def _wgrad_chunk(N: int, P: int) -> int:
+    """Rows per program of a weight gradient's sum over N rows, P columns (`_wgrad_kernel`)."""
+    return _chunk(triton.cdiv(P, BLOCK), N, SPLIT)
+
+
+def launches(N: int, K: int, O: int) -> dict[str, int]:
+    """Kernels each op launches for one projection x [N, K] -> [N, O]: the Triton kernels and torch's sums
+    of chunked partial sums (benchmarks/update_bytes.py counts them; shapes alone decide)."""
+    summed = lambda length, chunk: int(triton.cdiv(length, chunk) > 1)  # noqa: E731
+    return {"lora_down": 1 + summed(K, _rank_chunk(N, K)), "lora_tail": 1,
+            "lora_grads": 4 + summed(O, _rank_chunk(N, O)) + summed(N, _wgrad_chunk(N, O))
+            + summed(N, _wgrad_chunk(N, K))}
 
 
 def _chunk(outer: int, length: int, most: int) -> int:

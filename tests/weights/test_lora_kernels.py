@@ -49,6 +49,7 @@ def test_most_outputs_are_peft_s_bytes(cases):
 
 def test_the_sums_are_cut_into_chunks_by_the_shapes_until_the_launch_has_enough_programs():
     pytest.importorskip("triton")
+    from stages.weights import lora_kernels
     from stages.weights.lora_kernels import BLOCK, PROGRAMS, SPLIT, _chunk
 
     assert PROGRAMS == 256 and BLOCK == 64
@@ -58,6 +59,11 @@ def test_the_sums_are_cut_into_chunks_by_the_shapes_until_the_launch_has_enough_
     # the weight gradients at a: 15 column blocks x 12 chunks of 64 rows; at b (40,960 rows) whole SPLITs
     assert _chunk(15, 768, SPLIT) == 64 and _chunk(16, 40960, SPLIT) == SPLIT
     assert _chunk(640, 1024, 1024) == 1024  # b's rows: 640 row blocks, K whole
+
+    # what each op launches: a's gate_proj sums in chunks everywhere (a sum each); b's only over the rows
+    # (40 splits of SPLIT rows, as before the chunks)
+    assert lora_kernels.launches(768, 960, 2560) == {"lora_down": 2, "lora_tail": 1, "lora_grads": 4 + 3}
+    assert lora_kernels.launches(40960, 1024, 3072) == {"lora_down": 1, "lora_tail": 1, "lora_grads": 4 + 2}
 
 
 def test_install_takes_the_plain_fp32_lora_linears_only():

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from . import decoder, draw, graphs, kernels, sampler
-from ..weights import lora_kernels
+from ..weights import lora_kernels, norms
 from .sampling import Decode, Sampling
 
 _RUNNING: list[threading.Thread] = []  # at most one: the process's warm-up, until `wait` joins it
@@ -264,8 +264,8 @@ def _teacher_forced(d, B, T, r, dtype, device, train: bool, kernels: bool = Fals
     T = ids.shape[1]  # (a bucket multiple: the run's forward length already is one)
     real = mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B, T] bool: the real positions
 
-    def rms(x, weight):  # LlamaRMSNorm as the run computes it on CUDA (stages/weights/norms.py)
-        return weight * F.rms_norm(x, (x.shape[-1],), None, d["eps"])
+    def rms(x, weight):  # LlamaRMSNorm as the run computes it on CUDA
+        return norms.rms(x, weight, d["eps"])
 
     def proj(x, n_out, n_in):  # base matmul + peft's LoRA branch (adapters in fp32)
         wt = w(n_out, n_in)

@@ -363,9 +363,9 @@ def compiled_layers(cfg, mcfg, device_type: str) -> bool:
 
 def lora_kernels(cfg, mcfg, device_type: str) -> bool:
     """A model's LoRA computes through stages/weights/lora_kernels.py (CUDA, bf16, unquantized, not compiled)."""
-    return (device_type == "cuda" and cfg.runtime.lora_kernels and cfg.runtime.dtype != "float32" and mcfg.quant ==
-            "none" and cfg.lora.dropout == 0 and cfg.lora.r <= LORA_KERNELS_MAX_RANK and not compiled_layers(
-                cfg, mcfg, device_type))
+    return (device_type == "cuda" and cfg.runtime.lora_kernels and cfg.runtime.dtype != "float32"
+            and mcfg.quant == "none" and cfg.lora.dropout == 0 and cfg.lora.r <= LORA_KERNELS_MAX_RANK
+            and not compiled_layers(cfg, mcfg, device_type))
 
 
 def runtime_slice(cfg, device_type: str, dtype, forward_length: Callable[[], int], graphed: set[str]) -> dict:

@@ -23,7 +23,12 @@ FORMULA = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
 
 def fused(mod, x):
     """What `mod.forward(x)` computes, the normalisation as one kernel: x [..., E] -> [..., E]."""
-    return mod.weight * F.rms_norm(x, (x.shape[-1],), None, mod.variance_epsilon)
+    return rms(x, mod.weight, mod.variance_epsilon)
+
+
+def rms(x, weight, eps: float):
+    """weight * the row normalised by one fused kernel (x [..., E]); the warm-up runs it too."""
+    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
 def install(model) -> int:

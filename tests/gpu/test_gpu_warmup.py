@@ -98,22 +98,7 @@ def test_the_children_compile_every_triton_kernel_the_engine_launches(tmp_path):
     adds no entry to an otherwise fresh TRITON_CACHE_DIR. Without the children the same rollout adds
     entries (it does launch Triton kernels: the check is not vacuous). Fresh processes, so no kernel
     is in any in-memory cache."""
-    import os
-    import subprocess
-    import sys
-
-    from support import ROOT
-
-    seen = {}
-    for how in ("children", "none"):
-        d = tmp_path / how
-        (d / "triton").mkdir(parents=True)
-        env = {**os.environ, "TRITON_CACHE_DIR": str(d / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"),
-               "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-        r = subprocess.run([sys.executable, "-c", CHILDREN_THEN_ENGINE, str(d), how], env=env, cwd=ROOT,
-                           capture_output=True, text=True, timeout=400)
-        assert r.returncode == 0, r.stderr[-3000:]
-        seen[how] = json.loads(r.stdout.strip().splitlines()[-1])
+    seen = _fresh_caches(tmp_path, CHILDREN_THEN_ENGINE, ("children", "none"))
     assert seen["children"]["before"] and seen["children"]["after"] == seen["children"]["before"], seen["children"]
     assert seen["none"]["before"] == [] and seen["none"]["after"], seen["none"]
     # what the children left is what the engine alone compiles (the same kernels, the same launchers)
@@ -154,6 +139,14 @@ def test_the_lora_child_compiles_every_lora_kernel_the_training_launches(tmp_pat
     """runtime.lora_kernels: after the "lora" child ran, the student's training forward and backward
     through the LoRA kernels add no entry to an otherwise fresh TRITON_CACHE_DIR (without the child they
     do: not vacuous). Fresh processes, so no kernel is in any in-memory cache."""
+    seen = _fresh_caches(tmp_path, LORA_CHILD_THEN_TRAINING, ("child", "none"))
+    assert seen["child"]["before"] and seen["child"]["after"] == seen["child"]["before"], seen["child"]
+    assert seen["none"]["before"] == [] and seen["none"]["after"], seen["none"]
+
+
+def _fresh_caches(tmp_path, script: str, hows: tuple[str, ...]) -> dict:
+    """`script` run once per `how` (its arguments: a fresh dir, how) in a fresh process with fresh Triton
+    and Inductor caches in that dir; how -> its last line of output, JSON."""
     import os
     import subprocess
     import sys
@@ -161,14 +154,13 @@ def test_the_lora_child_compiles_every_lora_kernel_the_training_launches(tmp_pat
     from support import ROOT
 
     seen = {}
-    for how in ("child", "none"):
+    for how in hows:
         d = tmp_path / how
         (d / "triton").mkdir(parents=True)
-        env = {**os.environ, "TRITON_CACHE_DIR": str(d / "triton"),
+        env = {**os.environ, "TRITON_CACHE_DIR": str(d / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"),
                "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-        r = subprocess.run([sys.executable, "-c", LORA_CHILD_THEN_TRAINING, str(d), how], env=env, cwd=ROOT,
+        r = subprocess.run([sys.executable, "-c", script, str(d), how], env=env, cwd=ROOT,
                            capture_output=True, text=True, timeout=400)
         assert r.returncode == 0, r.stderr[-3000:]
         seen[how] = json.loads(r.stdout.strip().splitlines()[-1])
-    assert seen["child"]["before"] and seen["child"]["after"] == seen["child"]["before"], seen["child"]
-    assert seen["none"]["before"] == [] and seen["none"]["after"], seen["none"]
+    return seen

@@ -11,9 +11,9 @@ import torch
 
 from .weights import models
 from .engine import warmup
-from .memory import hostmem, phases, placement
+from .memory import hostmem, placement
 from .memory.resident import Resident
-from .run import identity
+from .run import codepaths, identity
 from .rows import tables
 from .run.config import Config
 from .errors import UserError
@@ -71,7 +71,7 @@ class Session:
 
     def runtime_slice(self) -> dict:
         return identity.runtime_slice(self.cfg, self.device.type, self.dtype, self.models.forward_length,
-                                      phases.graphed_roles(self.cfg, self.device.type))
+                                      codepaths.graphed_roles(self.cfg, self.device.type))
 
     def policy_dir(self, k: int) -> Path:
         """Where policy version k is published: init, the SFT cold start or update k."""

@@ -26,7 +26,7 @@ from .weights import adapters, lora, models
 from .engine import lmhead
 from .rows import prompts, tooluse
 from .errors import UserError
-from .run import identity
+from .run import codepaths
 from .run.store import seed_of, write_json
 from .envs import protocol
 from .session import Session, phase
@@ -177,7 +177,7 @@ def teacher_adapter(sess: Session) -> Path:
     def produce(tmp: Path) -> None:
         cfg = sess.cfg
         base = models.load(sess.store.path("model", sess.prepared["teacher"]), cfg.teacher, sess.device, sess.dtype)
-        kernels = identity.lora_kernels(cfg, cfg.teacher, sess.device.type)
+        kernels = codepaths.lora_kernels(cfg, "teacher", sess.device.type)
         model = lora.add(base, cfg.lora, seed_of(dig), kernels=kernels)
         _train(sess, model, dig, None, 0, cfg.sft.teacher_steps, cfg.sft.teacher_seed, tmp,
                f"opd-store/model/{sess.prepared['teacher']}")

@@ -20,7 +20,7 @@ from . import align, prepare, rollout, score, sft, update
 from .weights import ahead
 from .memory import hostmem, phases
 from .engine import kernels, warmup
-from .run import identity, runview
+from .run import codepaths, identity, runview
 from .run.config import Config, logit_temperature
 from .run.store import fault, read_state, write_json
 from .session import Session
@@ -129,7 +129,7 @@ def warm_up(sess: Session) -> None:
                  dtype=sess.dtype, device=sess.device, compiled=sess.models.compiled_decode,
                  precompile=cfg.runtime.precompile,
                  engine=phases.engine_weights(cfg.teacher if phases.teacher_samples(cfg) else cfg.student),
-                 lora_kernels=identity.lora_kernels(cfg, cfg.student, sess.device.type))
+                 lora_kernels=codepaths.lora_kernels(cfg, "student", sess.device.type))
 
 
 def run(sess: Session) -> dict:

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 
 from .. import objectives
-from ..run import identity
+from ..run.codepaths import graphed_roles, lora_kernels
 from ..engine.graphs import BUCKET as FORWARD_BUCKET
 from .shapes import (
     Shape,
@@ -57,29 +57,7 @@ from .shapes import (
 PHASES = ("rollout", "score", "update", "evaluate")
 LOOP = PHASES[:3]  # a training step's phases
 ENGINE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}  # stages/engine/sampler.py SUPPORTED (no torch import here)
-GRAPHED_QUANT = ("none", "nf4")  # weights whose forwards and backwards graphs capture (graphed_roles)
 ENV_TOOL_TOKENS = 32  # assumed tokens of one tool message per turn (env rollouts): the env decides
-
-
-def graphed_roles(cfg, device: str) -> set[str]:
-    """The roles whose teacher-forced forwards replay CUDA graphs (stages/engine/graphs.py; the plan
-    and Session both ask here): runtime.cuda_graphs on CUDA, single-turn prompts (one padded length
-    for the run: multi-turn episodes vary, and a capture mid-run could meet the publish thread's
-    device sync), no compiled layers (their own kernels), dense or NF4 weights (bitsandbytes' 4-bit
-    kernels, a dequantize and a matmul or its fused 4-bit GEMM, launch on the current stream with no
-    host sync: captured as they are; int8 finds its outlier columns on the host each forward); the
-    student also without LoRA dropout (a capture's warm-up passes would draw from the generator the
-    update seeds). With activation checkpointing the captured backward recomputes each
-    layer (models.enable_activation_checkpointing: no RNG state to stash without dropout). Not the
-    placement: it changes nothing computed (swap frees a role's graphs before it moves and captures
-    them again)."""
-    env = getattr(cfg, "env", None)
-    if device != "cuda" or not cfg.runtime.cuda_graphs or cfg.runtime.compile_layers or (env is not None and env.name):
-        return set()
-    roles = {"teacher"} if cfg.teacher.quant in GRAPHED_QUANT else set()
-    if cfg.student.quant in GRAPHED_QUANT and not cfg.lora.dropout:
-        roles.add("student")
-    return roles
 
 
 # ---- the workload and the phases ----
@@ -267,7 +245,7 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
     graphed_all = graphed_roles(cfg, x.device)  # (under swap the loop's phases hold none: `t_pool`, `s_pool`)
     tquant = sq if shared else tq
     t_fwd = forward_bytes(T, t, s) + t * T.hidden * s  # the teacher's forward activations + hidden states
-    kern = identity.lora_kernels(cfg, cfg.student, x.device)
+    kern = lora_kernels(cfg, "student", x.device)
     a, scratch = saved_per_token_layer(S, cfg.lora, s, kern), t * (2 * S.hidden + 3 * S.inter) * 4
     saved = t * (S.layers * a + 4 * S.hidden)  # the student's saved activations (update)
     ckpt = getattr(cfg.train, "activation_checkpointing", False)

@@ -21,7 +21,8 @@ import sys
 from ..errors import UserError
 from . import hostmem
 from .placement import GIB, check_placement, device_total, refusal
-from .phases import (ENV_TOOL_TOKENS, LOOP, Ctx, engine_runs, eval_workload, graphed_roles, in_place, phase_total,
+from ..run.codepaths import graphed_roles
+from .phases import (ENV_TOOL_TOKENS, LOOP, Ctx, engine_runs, eval_workload, in_place, phase_total,
                      phases, teacher_samples, workload)
 from .shapes import lora_params, pristine_bytes, shape_of, weight_bytes
 

@@ -14,7 +14,7 @@ from ..weights.state import state
 from ..engine import decoder, graphs, sampler, warmup
 from ..engine.sampling import Sampling
 from . import phases, placement, plan
-from ..run import identity
+from ..run import codepaths, identity
 from ..rows import alignment
 from ..run.config import Config
 from ..errors import UserError
@@ -60,7 +60,7 @@ class Resident:
             if self.cfg.train.activation_checkpointing:  # only active in train() mode, i.e. the update
                 models.enable_activation_checkpointing(base, preserve_rng_state=self.cfg.lora.dropout > 0)
             self._student = lora.add(base, self.cfg.lora, seed_of(self.chain.init()),
-                                     kernels=identity.lora_kernels(self.cfg, self.cfg.student, self.device.type))
+                                     kernels=codepaths.lora_kernels(self.cfg, "student", self.device.type))
             self.mark("lora_built")
             if self._ahead:  # made beside policy 0, the engine and the rollout (stages/weights/ahead.py)
                 path = lambda role: self.store.path("model", self.prepared[role])  # noqa: E731
@@ -118,7 +118,7 @@ class Resident:
 
     def _graph_forwards(self, model, role: str) -> None:
         st = state(model)
-        st.use_graphs = role in phases.graphed_roles(self.cfg, self.device.type)
+        st.use_graphs = role in codepaths.graphed_roles(self.cfg, self.device.type)
         st.forward_length = self.forward_length()
         st.before_capture = self.before_capture  # (graphs.hidden: as the engine's)
 
@@ -130,10 +130,10 @@ class Resident:
 
     @property
     def compiled_decode(self) -> bool:
-        return identity.compiled_decode(self.cfg, self.device.type)
+        return codepaths.compiled_decode(self.cfg, self.device.type)
 
     def compiled_layers(self, mcfg) -> bool:
-        return identity.compiled_layers(self.cfg, mcfg, self.device.type)
+        return codepaths.compiled_layers(self.cfg, mcfg, self.device.type)
 
     # ---- tokenizers ----
     def tokenizer(self):

@@ -103,6 +103,10 @@ class ObjectiveCfg:
 # stages/weights/lora_kernels.py holds [64, r] tiles: past this rank they would spill registers or outgrow
 # shared memory, and PEFT's forward computes the branch instead
 LORA_KERNELS_MAX_RANK = 64
+# Launched eagerly (no CUDA graph), the kernels cost more than PEFT's passes below ~15k rows at SmolLM2-360M's
+# widths and ~8k at Qwen3-0.6B's (their launches are host time; PEFT's passes grow with the rows): from this
+# many rows on they run eagerly too (docs/performance.md, "The LoRA kernels")
+LORA_KERNELS_EAGER_ROWS = 8192
 
 
 @dataclass
@@ -183,7 +187,7 @@ class RuntimeCfg:
     # for a slower start (26 s more before the first update on a cold compile cache): for long runs
     compile_layers: bool = False
     # CUDA: the teacher-forced forwards (score; the update's forward and backward) replay captured
-    # CUDA graphs (stages/engine/graphs.py; phases.graphed_roles says for which models): the
+    # CUDA graphs (stages/engine/graphs.py; codepaths.graphed_roles says for which models): the
     # host no longer launches each kernel. The update's graph keeps its activations allocated
     # between updates (`opd plan` counts them; false: eager, that memory freed after each update)
     cuda_graphs: bool = True
@@ -200,9 +204,11 @@ class RuntimeCfg:
     precompile: bool = True
     # CUDA: the LoRA branch of each of the student's projections as Triton kernels over its bf16
     # activations (stages/weights/lora_kernels.py) instead of PEFT's fp32 passes; the same arithmetic
-    # summed in another order, so it is part of every CUDA digest. Not with compile_layers (compiled
-    # layers fuse PEFT's own) nor with a quantized student (bitsandbytes' LoRA layers)
-    lora_kernels: bool = True
+    # summed in another order, so it is part of every CUDA digest where they run. Not with compile_layers
+    # (compiled layers fuse PEFT's own) nor with a quantized student (bitsandbytes' LoRA layers). null: where
+    # the update replays a CUDA graph or has LORA_KERNELS_EAGER_ROWS rows (codepaths.lora_kernels); true:
+    # wherever they can run (a third of PEFT's saved activations); false: never
+    lora_kernels: Optional[bool] = None
 
 
 @dataclass

@@ -19,7 +19,8 @@ import torch
 
 from .. import objectives
 from . import reproducible
-from .config import LORA_KERNELS_MAX_RANK, Config, slice_of
+from .codepaths import compiled_decode, compiled_layers, lora_kernels
+from .config import Config, slice_of
 from .store import digest
 
 
@@ -351,27 +352,10 @@ class Chain:
                                     "student": self.prepared["student"]})
 
 
-def compiled_decode(cfg, device_type: str) -> bool:
-    """The rollout engine's decode step is compiled: CUDA with graphs and runtime.compile."""
-    return device_type == "cuda" and cfg.rollout.cuda_graphs and cfg.runtime.compile
-
-
-def compiled_layers(cfg, mcfg, device_type: str) -> bool:
-    """A model's layers run compiled (the student's training, the teacher's scoring): CUDA, unquantized."""
-    return device_type == "cuda" and cfg.runtime.compile_layers and mcfg.quant == "none"
-
-
-def lora_kernels(cfg, mcfg, device_type: str) -> bool:
-    """A model's LoRA computes through stages/weights/lora_kernels.py (CUDA, bf16, unquantized, not compiled)."""
-    return (device_type == "cuda" and cfg.runtime.lora_kernels and cfg.runtime.dtype != "float32"
-            and mcfg.quant == "none" and cfg.lora.dropout == 0 and cfg.lora.r <= LORA_KERNELS_MAX_RANK
-            and not compiled_layers(cfg, mcfg, device_type))
-
-
 def runtime_slice(cfg, device_type: str, dtype, forward_length: Callable[[], int], graphed: set[str]) -> dict:
     """The part of every digest that the machine decides: what kernels, layouts and settings compute the bytes
     on this device (each key only where it changes them, so that digests made without it stay what they
-    were). `graphed`: the roles whose forwards replay CUDA graphs (phases.graphed_roles)."""
+    were). `graphed`: the roles whose forwards replay CUDA graphs (codepaths.graphed_roles)."""
     s = {"device": device_type, "dtype": str(dtype).removeprefix("torch.")}
     if compiled_decode(cfg, device_type):  # the fused decode kernels (stages/engine/kernels.py), attention
         s["decode"] = "project+rope_attention-blocks"  # at any batch size reading the cache in blocks
@@ -385,8 +369,8 @@ def runtime_slice(cfg, device_type: str, dtype, forward_length: Callable[[], int
             s["forward_graphs"] = sorted(graphed, reverse=True)  # ["student", "teacher"]
         if cfg.rollout.cuda_graphs and cfg.student.quant == "nf4" and cfg.student.dense_copy:
             s["nf4_merge"] = "graph"  # the engine's LoRA merge into its NF4 dense copy replays a captured graph
-    if lora_kernels(cfg, cfg.student, device_type) or cfg.teacher_mode == "protocol_sft" and lora_kernels(
-            cfg, cfg.teacher, device_type):
+    if lora_kernels(cfg, "student", device_type) or cfg.teacher_mode == "protocol_sft" and lora_kernels(
+            cfg, "teacher", device_type):
         s["lora"] = "kernels"  # a trained LoRA's branch as stages/weights/lora_kernels.py computes it
     if compiled_layers(cfg, cfg.student, device_type) or compiled_layers(cfg, cfg.teacher, device_type):
         s["layers"] = "compiled"  # fused kernels round differently (which: by the quant keys, in the digests)

@@ -17,7 +17,7 @@ from ..errors import UserError
 
 def add(model, lcfg: LoraCfg, seed: int, kernels: bool = False):
     """`model` wrapped in the LoRA of `lcfg`; kernels: its projections compute the LoRA branch through
-    stages/weights/lora_kernels.py where they can (identity.lora_kernels says when)."""
+    stages/weights/lora_kernels.py where they can (codepaths.lora_kernels says when)."""
     imports.bitsandbytes()  # (before peft, which imports it)
     from peft import LoraConfig, get_peft_model
 

@@ -34,7 +34,7 @@ def base_of(model):
 class ModelState:
     # ---- how its teacher-forced forwards run (Session._graph_forwards sets them for the role it hands out;
     # engine/lmhead.py and engine/graphs.py read them); for the model's lifetime
-    use_graphs: bool = False  # replay captured CUDA graphs (memory/phases.py graphed_roles names the roles)
+    use_graphs: bool = False  # replay captured CUDA graphs (run/codepaths.py graphed_roles names the roles)
     forward_length: int = 0  # CUDA: the padded length of every such forward (Resident.forward_length; 0: its own bucket)
     # called before each capture: another thread's device work would invalidate it (Resident.before_capture)
     before_capture: Callable[[], None] | None = None

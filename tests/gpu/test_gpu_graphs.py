@@ -87,7 +87,7 @@ def test_graphed_forward_and_backward_match_eager_and_repeat_exactly(dtype, ckpt
 @pytest.mark.parametrize("ckpt,double_quant,inter", [(False, False, 128), (True, False, 128), (False, True, 192)])
 def test_nf4_graphs_match_eager_and_repeat_exactly(tmp_path, ckpt, double_quant, inter):
     """An NF4 base (bitsandbytes' kernels per projection, forward and backward) replays what its eager
-    forward computes: phases.graphed_roles captures NF4 roles. inter=192: gate/up of 64 -> 192 take
+    forward computes: codepaths.graphed_roles captures NF4 roles. inter=192: gate/up of 64 -> 192 take
     bitsandbytes' fused 4-bit GEMM in the no-grad forward at these 192 rows on Hopper (its heuristic
     for short K), the dequantize + matmul fallback elsewhere; double_quant: the nested scales."""
     pytest.importorskip("bitsandbytes")

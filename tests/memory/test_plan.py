@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stages import cli
-from stages.run import config
+from stages.run import codepaths, config
 from stages.memory import phases, plan, shapes
 from stages.run.config import ROOT, LoraCfg, ModelCfg
 from stages.errors import UserError
@@ -139,13 +139,16 @@ def test_seed_workload_components_by_hand():
     assert item(est, "update", "loss chunk") == 4 * 256 * 49152 * 4 + 256 * 960 * 2  # + grad of [n, H]
     # saved activations: 768 tokens x (32 x 40,128 + 4 x 960) B; PEFT's LoRA keeps each projection's input
     # in fp32 instead (3 x 960 + 960 + 2 x 960 + 2560, x 4 B: 64,448 per token and layer in all)
-    assert item(eager, "update", "saved activations") == 768 * (32 * a + 3_840)
-    peft = plan.estimate(cfg(*SEED, "runtime.cuda_graphs=false", "runtime.lora_kernels=false"))
-    assert item(peft, "update", "saved activations") == 768 * (32 * 64_448 + 3_840)
+    # (eager at 768 rows the kernels are not used by default: runtime.lora_kernels=true asks for them)
+    kern = plan.estimate(cfg(*SEED, "runtime.cuda_graphs=false", "runtime.lora_kernels=true"))
+    assert item(kern, "update", "saved activations") == 768 * (32 * a + 3_840)
+    for peft in (eager, plan.estimate(cfg(*SEED, "runtime.cuda_graphs=false", "runtime.lora_kernels=false"))):
+        assert item(peft, "update", "saved activations") == 768 * (32 * 64_448 + 3_840)
     assert a + (6 * 960 + 2560) * 4 - (2 * 960 + 2560) * 2 == 64_448
     # activation checkpointing: each layer keeps its bf16 input; the backward recomputes one layer
     # (eager: without graphs; captured, one graph pool holds both and stays allocated between updates)
-    ck_eager = plan.estimate(cfg(*SEED, "train.activation_checkpointing=true", "runtime.cuda_graphs=false"))
+    ck_eager = plan.estimate(cfg(*SEED, "train.activation_checkpointing=true", "runtime.cuda_graphs=false",
+                                 "runtime.lora_kernels=true"))
     assert item(ck_eager, "update", "checkpointed layer inputs") == 768 * (32 * 960 * 2 + 3_840)
     assert item(ck_eager, "update", "backward: one layer") == 768 * a + 768 * (2 * 960 + 3 * 2560) * 4
     ck = plan.estimate(cfg(*SEED, "train.activation_checkpointing=true"))
@@ -470,9 +473,9 @@ def test_cpu_phase_peak_counts_what_the_process_keeps():
 
 
 def test_graphed_roles_are_one_rule_for_the_plan_and_the_session():
-    """phases.graphed_roles decides which roles replay CUDA graphs; the plan's pools follow it."""
-    roles = lambda *o: phases.graphed_roles(cfg(*SEED, *o), "cuda")  # noqa: E731
-    assert roles() == {"student", "teacher"} and phases.graphed_roles(cfg(*SEED), "cpu") == set()
+    """codepaths.graphed_roles decides which roles replay CUDA graphs; the plan's pools follow it."""
+    roles = lambda *o: codepaths.graphed_roles(cfg(*SEED, *o), "cuda")  # noqa: E731
+    assert roles() == {"student", "teacher"} and codepaths.graphed_roles(cfg(*SEED), "cpu") == set()
     assert roles("runtime.cuda_graphs=false") == roles("runtime.compile_layers=true") == set()
     assert roles("lora.dropout=0.05") == {"teacher"}
     assert roles("train.activation_checkpointing=true") == {"student", "teacher"}  # the backward recomputes, captured

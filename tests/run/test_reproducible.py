@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from support import OPD, ROOT, TINY, session
-from stages.run import identity, reproducible
+from stages.run import codepaths, reproducible
 from stages.tools import doctor
 
 needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch's BLAS is not MKL here")
@@ -116,10 +116,10 @@ def test_compiled_decode_joins_cuda_identity_only(work, monkeypatch):
     """runtime.compile changes CUDA bytes (fused kernels round differently), never CPU ones: on CPU
     both settings share every digest; a CUDA session with graphs names the compiled step."""
     on, off = session(work, "runtime.compile=true"), session(work, "runtime.compile=false")
-    assert not identity.compiled_decode(on.cfg, on.device.type) and on.runtime_slice() == off.runtime_slice()
+    assert not codepaths.compiled_decode(on.cfg, on.device.type) and on.runtime_slice() == off.runtime_slice()
     assert on.chain.rollout(1) == off.chain.rollout(1) and on.chain.update(2) == off.chain.update(2)
     monkeypatch.setattr(on, "device", torch.device("cuda"))
-    compiled = lambda: identity.compiled_decode(on.cfg, on.device.type)  # noqa: E731  (what Resident asks)
+    compiled = lambda: codepaths.compiled_decode(on.cfg, on.device.type)  # noqa: E731  (what Resident asks)
     assert compiled() and on.runtime_slice()["decode"] == "project+rope_attention-blocks"
     monkeypatch.setattr(on.cfg.rollout, "cuda_graphs", False)
     assert not compiled() and "decode" not in on.runtime_slice()  # eager CUDA: no compiled step
@@ -134,7 +134,7 @@ def test_compiled_layers_join_cuda_identity_only(work, monkeypatch):
     for s in (on, off):
         monkeypatch.setattr(s, "device", torch.device("cuda"))
     assert on.runtime_slice()["layers"] == "compiled" and "layers" not in off.runtime_slice()
-    layers = lambda s, m: identity.compiled_layers(s.cfg, m, s.device.type)  # noqa: E731  (what Resident asks)
+    layers = lambda s, m: codepaths.compiled_layers(s.cfg, m, s.device.type)  # noqa: E731  (what Resident asks)
     assert layers(on, on.cfg.teacher) and not layers(off, off.cfg.teacher)
     monkeypatch.setattr(on.cfg.student, "quant", "nf4")
     assert not layers(on, on.cfg.student) and layers(on, on.cfg.teacher)

@@ -56,7 +56,7 @@ def lora_kernels(cfg, role: str, device_type: str) -> bool:
     not compiled, no dropout, rank within the kernels' tiles; and, with runtime.lora_kernels null (the default),
     where the role's training forward replays a CUDA graph or holds at least LORA_KERNELS_EAGER_ROWS rows.
     Launched one by one on fewer rows, the kernels cost the host more than PEFT's fp32 passes cost the GPU
-    (docs/performance.md, "The LoRA kernels"). true: wherever they can run (they keep a third of PEFT's
+    (docs/performance.md, "The LoRA branch as kernels"). true: wherever they can run (they keep a third of PEFT's
     activations for the backward); false: never. The teacher trains only in SFT, which replays no graphs."""
     mcfg, on = getattr(cfg, role), cfg.runtime.lora_kernels
     can = (device_type == "cuda" and on is not False and cfg.runtime.dtype != "float32" and mcfg.quant == "none"

@@ -105,7 +105,7 @@ class ObjectiveCfg:
 LORA_KERNELS_MAX_RANK = 64
 # Launched eagerly (no CUDA graph), the kernels cost more than PEFT's passes below ~15k rows at SmolLM2-360M's
 # widths and ~8k at Qwen3-0.6B's (their launches are host time; PEFT's passes grow with the rows): from this
-# many rows on they run eagerly too (docs/performance.md, "The LoRA kernels")
+# many rows on they run eagerly too (docs/performance.md, "The LoRA branch as kernels")
 LORA_KERNELS_EAGER_ROWS = 8192
 
 

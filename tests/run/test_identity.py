@@ -111,7 +111,8 @@ def test_the_lora_kernels_are_in_the_cuda_runtime_slice_only_where_they_run():
     # multi-turn episodes replay no graphs: their rows are the env's turns
     assert rows("env.name=calculator") == 4 * (128 + 3 * 48) and key("env.name=calculator") is None
     # the teacher trains only in SFT (protocol_sft), eagerly, on sft.batch_size traces
-    teacher = lambda *o: codepaths.lora_kernels(config.compose(BASE + list(o), ROOT / "conf"), "teacher", "cuda")  # noqa: E731
+    teacher = lambda *o: codepaths.lora_kernels(  # noqa: E731
+        config.compose(BASE + list(o), ROOT / "conf"), "teacher", "cuda")
     assert not teacher() and teacher("runtime.lora_kernels=true") and teacher("sft.batch_size=64")
 
 

@@ -43,8 +43,9 @@ def graphed_roles(cfg, device: str) -> set[str]:
 
 
 def training_rows(cfg, role: str) -> int:
-    """Positions in one of the role's training forwards, at most: the student's update (every sampled
-    sequence, prompt + longest response), the teacher's SFT step (its traces, the same lengths)."""
+    """Positions in one of the role's training forwards as the config bounds them (before the padding to a
+    bucket): the student's update (every sampled sequence, prompt + longest response), the teacher's SFT
+    step (its traces, the same lengths)."""
     env = getattr(cfg, "env", None)
     new = env.max_turns * env.max_tokens_per_turn if env is not None and env.name else cfg.rollout.max_new_tokens
     sequences = cfg.rollout.batch_size * cfg.rollout.n if role == "student" else cfg.sft.batch_size

@@ -299,7 +299,8 @@ def phases(x: Ctx, placement: str) -> dict[str, list[tuple[str, str, int, bool]]
         up += [("student", f"checkpointed layer inputs ({t} tokens x {S.layers} layers)", ck_inputs, False),
                ("student", "backward: one layer's activations recomputed + scratch", t * a + scratch, True)]
     else:
-        up += [("student", f"saved activations ({t} tokens x {S.layers} layers)", saved, False),
+        lora_path = "LoRA kernels: bf16 inputs" if kern else "PEFT's LoRA: fp32 inputs"  # (codepaths.lora_kernels)
+        up += [("student", f"saved activations ({t} tokens x {S.layers} layers; {lora_path})", saved, False),
                ("student", "backward scratch (one layer)", scratch, True)]
     up += [("student", f"loss chunk [{c}, {V}] fp32 x4" + (" + teacher logits" if full else "")
             + f" + hidden-state grad [{n}, H]", (5 if full else 4) * c * V * 4 + n * S.hidden * s, True),

@@ -144,6 +144,8 @@ def test_seed_workload_components_by_hand():
     assert item(kern, "update", "saved activations") == 768 * (32 * a + 3_840)
     for peft in (eager, plan.estimate(cfg(*SEED, "runtime.cuda_graphs=false", "runtime.lora_kernels=false"))):
         assert item(peft, "update", "saved activations") == 768 * (32 * 64_448 + 3_840)
+        assert item(peft, "update", "saved activations (768 tokens x 32 layers; PEFT's LoRA: fp32 inputs)")
+    assert item(kern, "update", "saved activations (768 tokens x 32 layers; LoRA kernels: bf16 inputs)")
     assert a + (6 * 960 + 2560) * 4 - (2 * 960 + 2560) * 2 == 64_448
     # activation checkpointing: each layer keeps its bf16 input; the backward recomputes one layer
     # (eager: without graphs; captured, one graph pool holds both and stays allocated between updates)

@@ -13,7 +13,7 @@ from .weights import models
 from .engine import warmup
 from .memory import hostmem, placement
 from .memory.resident import Resident
-from .run import codepaths, identity
+from .run import identity
 from .rows import tables
 from .run.config import Config
 from .errors import UserError
@@ -70,8 +70,7 @@ class Session:
         return self._chain
 
     def runtime_slice(self) -> dict:
-        return identity.runtime_slice(self.cfg, self.device.type, self.dtype, self.models.forward_length,
-                                      codepaths.graphed_roles(self.cfg, self.device.type))
+        return identity.runtime_slice(self.cfg, self.device.type, self.dtype, self.models.forward_length)
 
     def policy_dir(self, k: int) -> Path:
         """Where policy version k is published: init, the SFT cold start or update k."""

@@ -19,7 +19,7 @@ import torch
 
 from .. import objectives
 from . import reproducible
-from .codepaths import compiled_decode, compiled_layers, lora_kernels
+from .codepaths import compiled_decode, compiled_layers, graphed_roles, lora_kernels
 from .config import Config, slice_of
 from .store import digest
 
@@ -352,10 +352,10 @@ class Chain:
                                     "student": self.prepared["student"]})
 
 
-def runtime_slice(cfg, device_type: str, dtype, forward_length: Callable[[], int], graphed: set[str]) -> dict:
+def runtime_slice(cfg, device_type: str, dtype, forward_length: Callable[[], int]) -> dict:
     """The part of every digest that the machine decides: what kernels, layouts and settings compute the bytes
     on this device (each key only where it changes them, so that digests made without it stay what they
-    were). `graphed`: the roles whose forwards replay CUDA graphs (codepaths.graphed_roles)."""
+    were). Each choice is codepaths' (the same functions decide what the run builds)."""
     s = {"device": device_type, "dtype": str(dtype).removeprefix("torch.")}
     if compiled_decode(cfg, device_type):  # the fused decode kernels (stages/engine/kernels.py), attention
         s["decode"] = "project+rope_attention-blocks"  # at any batch size reading the cache in blocks
@@ -365,7 +365,7 @@ def runtime_slice(cfg, device_type: str, dtype, forward_length: Callable[[], int
         # graphed roles (cuBLAS may choose another algorithm under capture: graph and eager may differ)
         s["forwards"] = f"padded-to-{forward_length()}"
         s["norms"] = "fused"  # transformers' RMSNorms as torch's fused kernel (stages/weights/norms.py)
-        if graphed:
+        if graphed := graphed_roles(cfg, device_type):
             s["forward_graphs"] = sorted(graphed, reverse=True)  # ["student", "teacher"]
         if cfg.rollout.cuda_graphs and cfg.student.quant == "nf4" and cfg.student.dense_copy:
             s["nf4_merge"] = "graph"  # the engine's LoRA merge into its NF4 dense copy replays a captured graph

@@ -80,7 +80,7 @@ def test_the_nf4_merge_graph_is_in_the_cuda_runtime_slice_only_where_it_runs():
     eager once): the runtime slice says so there, and nowhere else."""
     def key(*o, dev="cuda"):
         cfg = config.compose(BASE + list(o), ROOT / "conf")
-        return identity.runtime_slice(cfg, dev, torch.bfloat16, lambda: 256, set()).get("nf4_merge")
+        return identity.runtime_slice(cfg, dev, torch.bfloat16, lambda: 256).get("nf4_merge")
 
     assert key("student.quant=nf4") == "graph"
     assert key() is key("teacher.quant=nf4") is key("student.quant=nf4", "student.dense_copy=false") is None
@@ -93,7 +93,7 @@ def test_the_lora_kernels_are_in_the_cuda_runtime_slice_only_where_they_run():
     replays a CUDA graph or its forward has LORA_KERNELS_EAGER_ROWS rows."""
     def key(*o, dev="cuda"):
         cfg = config.compose(BASE + list(o), ROOT / "conf")
-        return identity.runtime_slice(cfg, dev, torch.bfloat16, lambda: 256, set()).get("lora")
+        return identity.runtime_slice(cfg, dev, torch.bfloat16, lambda: 256).get("lora")
 
     assert key() == key("teacher.quant=nf4") == "kernels"
     assert key(dev="cpu") is key("runtime.lora_kernels=false") is key("runtime.compile_layers=true") is None
@@ -103,6 +103,9 @@ def test_the_lora_kernels_are_in_the_cuda_runtime_slice_only_where_they_run():
     # eager (no graph): 4 x (128 + 32) = 640 rows launch on the host for longer than PEFT's passes take
     eager = "runtime.cuda_graphs=false"
     assert key(eager) is None and key(eager, "runtime.lora_kernels=true") == "kernels"
+    graphs = lambda *o: identity.runtime_slice(  # noqa: E731  (the same rule names the graphed roles)
+        config.compose(BASE + list(o), ROOT / "conf"), "cuda", torch.bfloat16, lambda: 256).get("forward_graphs")
+    assert graphs() == ["teacher", "student"] and graphs(eager) is None
     rows = lambda *o: codepaths.training_rows(config.compose(BASE + list(o), ROOT / "conf"), "student")  # noqa: E731
     assert rows() == 4 * (128 + 32) and rows("rollout.n=2", "rollout.max_new_tokens=64") == 8 * (128 + 64)
     big = ("rollout.batch_size=64", "rollout.max_new_tokens=512")  # workload b: 64 x (128 + 512) = 40,960

@@ -436,8 +436,7 @@ CROSS_TOKENIZER = Path(os.environ.get("OPD_CROSS_TOKENIZER", ROOT / ".bench" / "
 OURS_ARMS = {
     "nographs": (("runtime.cuda_graphs=false",), 45),  # score and update forwards eager (what the graphs save)
     "peft_lora": (("runtime.lora_kernels=false",), 45),  # the LoRA branch as PEFT computes it (the kernels' gain)
-    # eager with the LoRA kernels anyway (nographs computes PEFT's branch below LORA_KERNELS_EAGER_ROWS)
-    "nographs_kernels": (("runtime.cuda_graphs=false", "runtime.lora_kernels=true"), 45),
+    "nographs_peft": (("runtime.cuda_graphs=false", "runtime.lora_kernels=false"), 45),  # the kernels' gain, eager
     "layers": (("runtime.compile_layers=true",), 60),  # compiled decoder layers for update and score (long runs)
     "eager": (("runtime.compile=false",), 45),  # the decode step without torch.compile (the fallback path)
     "ckpt": (("train.activation_checkpointing=true",), 45),  # one more forward for less update-phase memory
@@ -503,7 +502,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ours", default="default,nographs,layers,eager,ckpt,nf4",
                     help="our arms: default (the configuration as shipped: compiled decode step on CUDA, "
                          "teacher-forced forwards replayed from CUDA graphs), nographs (runtime.cuda_graphs=false), "
-                         "nographs_kernels (that with runtime.lora_kernels=true), "
+                         "nographs_peft (that with runtime.lora_kernels=false), "
                          "peft_lora (runtime.lora_kernels=false: PEFT's LoRA branch), "
                          "layers (runtime.compile_layers=true: compiled decoder layers for update and score), "
                          "eager (runtime.compile=false), ckpt (activation checkpointing), nf4 (NF4 student and "

@@ -7,7 +7,7 @@ the Session that builds the models: one rule per choice for all three (docs/arch
 """
 from __future__ import annotations
 
-from .config import LORA_KERNELS_EAGER_ROWS, LORA_KERNELS_MAX_RANK
+from .config import LORA_KERNELS_MAX_RANK
 
 GRAPHED_QUANT = ("none", "nf4")  # weights whose forwards and backwards graphs capture (graphed_roles)
 
@@ -42,26 +42,11 @@ def graphed_roles(cfg, device: str) -> set[str]:
     return roles
 
 
-def training_rows(cfg, role: str) -> int:
-    """Positions in one of the role's training forwards as the config bounds them (before the padding to a
-    bucket): the student's update (every sampled sequence, prompt + longest response), the teacher's SFT
-    step (its traces, the same lengths)."""
-    env = getattr(cfg, "env", None)
-    new = env.max_turns * env.max_tokens_per_turn if env is not None and env.name else cfg.rollout.max_new_tokens
-    sequences = cfg.rollout.batch_size * cfg.rollout.n if role == "student" else cfg.sft.batch_size
-    return sequences * (cfg.data.max_prompt_tokens + new)
-
-
 def lora_kernels(cfg, role: str, device_type: str) -> bool:
-    """The role's trained LoRA computes through stages/weights/lora_kernels.py: CUDA, bf16 or fp16, unquantized,
-    not compiled, no dropout, rank within the kernels' tiles; and, with runtime.lora_kernels null (the default),
-    where the role's training forward replays a CUDA graph or holds at least LORA_KERNELS_EAGER_ROWS rows.
-    Launched one by one on fewer rows, the kernels cost the host more than PEFT's fp32 passes cost the GPU
-    (docs/performance.md, "The LoRA branch as kernels"). true: wherever they can run (they keep a third of PEFT's
-    activations for the backward); false: never. The teacher trains only in SFT, which replays no graphs."""
-    mcfg, on = getattr(cfg, role), cfg.runtime.lora_kernels
-    can = (device_type == "cuda" and on is not False and cfg.runtime.dtype != "float32" and mcfg.quant == "none"
-           and cfg.lora.dropout == 0 and cfg.lora.r <= LORA_KERNELS_MAX_RANK
-           and not compiled_layers(cfg, mcfg, device_type))
-    graphed = role == "student" and role in graphed_roles(cfg, device_type)
-    return can and (on is True or graphed or training_rows(cfg, role) >= LORA_KERNELS_EAGER_ROWS)
+    """The role's trained LoRA computes through stages/weights/lora_kernels.py: runtime.lora_kernels on CUDA, bf16
+    or fp16, unquantized, not compiled, no dropout, rank within the kernels' tiles. The teacher trains only in
+    SFT (protocol_sft)."""
+    mcfg = getattr(cfg, role)
+    return (device_type == "cuda" and cfg.runtime.lora_kernels and cfg.runtime.dtype != "float32"
+            and mcfg.quant == "none" and cfg.lora.dropout == 0 and cfg.lora.r <= LORA_KERNELS_MAX_RANK
+            and not compiled_layers(cfg, mcfg, device_type))

@@ -103,10 +103,6 @@ class ObjectiveCfg:
 # stages/weights/lora_kernels.py holds [64, r] tiles: past this rank they would spill registers or outgrow
 # shared memory, and PEFT's forward computes the branch instead
 LORA_KERNELS_MAX_RANK = 64
-# Launched eagerly (no CUDA graph), the kernels cost more than PEFT's passes below ~15k rows at SmolLM2-360M's
-# widths and ~8k at Qwen3-0.6B's (their launches are host time; PEFT's passes grow with the rows): from this
-# many rows on they run eagerly too (docs/performance.md, "The LoRA branch as kernels")
-LORA_KERNELS_EAGER_ROWS = 8192
 
 
 @dataclass
@@ -205,10 +201,9 @@ class RuntimeCfg:
     # CUDA: the LoRA branch of each of the student's projections as Triton kernels over its bf16
     # activations (stages/weights/lora_kernels.py) instead of PEFT's fp32 passes; the same arithmetic
     # summed in another order, so it is part of every CUDA digest where they run. Not with compile_layers
-    # (compiled layers fuse PEFT's own) nor with a quantized student (bitsandbytes' LoRA layers). null: where
-    # the update replays a CUDA graph or has LORA_KERNELS_EAGER_ROWS rows (codepaths.lora_kernels); true:
-    # wherever they can run (a third of PEFT's saved activations); false: never
-    lora_kernels: Optional[bool] = None
+    # (compiled layers fuse PEFT's own) nor with a quantized student (bitsandbytes' LoRA layers). Eager
+    # (no CUDA graph) too: end to end they beat PEFT's branch there as well (docs/performance.md)
+    lora_kernels: bool = True
 
 
 @dataclass

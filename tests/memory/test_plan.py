@@ -139,18 +139,15 @@ def test_seed_workload_components_by_hand():
     assert item(est, "update", "loss chunk") == 4 * 256 * 49152 * 4 + 256 * 960 * 2  # + grad of [n, H]
     # saved activations: 768 tokens x (32 x 40,128 + 4 x 960) B; PEFT's LoRA keeps each projection's input
     # in fp32 instead (3 x 960 + 960 + 2 x 960 + 2560, x 4 B: 64,448 per token and layer in all)
-    # (eager at 768 rows the kernels are not used by default: runtime.lora_kernels=true asks for them)
-    kern = plan.estimate(cfg(*SEED, "runtime.cuda_graphs=false", "runtime.lora_kernels=true"))
-    assert item(kern, "update", "saved activations") == 768 * (32 * a + 3_840)
-    for peft in (eager, plan.estimate(cfg(*SEED, "runtime.cuda_graphs=false", "runtime.lora_kernels=false"))):
-        assert item(peft, "update", "saved activations") == 768 * (32 * 64_448 + 3_840)
-        assert item(peft, "update", "saved activations (768 tokens x 32 layers; PEFT's LoRA: fp32 inputs)")
-    assert item(kern, "update", "saved activations (768 tokens x 32 layers; LoRA kernels: bf16 inputs)")
+    assert item(eager, "update", "saved activations") == 768 * (32 * a + 3_840)
+    assert item(eager, "update", "saved activations (768 tokens x 32 layers; LoRA kernels: bf16 inputs)")
+    peft = plan.estimate(cfg(*SEED, "runtime.cuda_graphs=false", "runtime.lora_kernels=false"))
+    assert item(peft, "update", "saved activations") == 768 * (32 * 64_448 + 3_840)
+    assert item(peft, "update", "saved activations (768 tokens x 32 layers; PEFT's LoRA: fp32 inputs)")
     assert a + (6 * 960 + 2560) * 4 - (2 * 960 + 2560) * 2 == 64_448
     # activation checkpointing: each layer keeps its bf16 input; the backward recomputes one layer
     # (eager: without graphs; captured, one graph pool holds both and stays allocated between updates)
-    ck_eager = plan.estimate(cfg(*SEED, "train.activation_checkpointing=true", "runtime.cuda_graphs=false",
-                                 "runtime.lora_kernels=true"))
+    ck_eager = plan.estimate(cfg(*SEED, "train.activation_checkpointing=true", "runtime.cuda_graphs=false"))
     assert item(ck_eager, "update", "checkpointed layer inputs") == 768 * (32 * 960 * 2 + 3_840)
     assert item(ck_eager, "update", "backward: one layer") == 768 * a + 768 * (2 * 960 + 3 * 2560) * 4
     ck = plan.estimate(cfg(*SEED, "train.activation_checkpointing=true"))

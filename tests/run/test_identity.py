@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stages.run import codepaths, config, identity
-from stages.run.config import LORA_KERNELS_EAGER_ROWS, ROOT
+from stages.run.config import ROOT
 from stages.tools import dvcyaml
 from support import TINY
 
@@ -89,8 +89,7 @@ def test_the_nf4_merge_graph_is_in_the_cuda_runtime_slice_only_where_it_runs():
 
 def test_the_lora_kernels_are_in_the_cuda_runtime_slice_only_where_they_run():
     """The student's LoRA branch runs as stages/weights/lora_kernels.py's kernels on CUDA unless the
-    layers compile or the student is quantized (or the key is false); by default only where the update
-    replays a CUDA graph or its forward has LORA_KERNELS_EAGER_ROWS rows."""
+    layers compile or the student is quantized (or the key is false), with or without CUDA graphs."""
     def key(*o, dev="cuda"):
         cfg = config.compose(BASE + list(o), ROOT / "conf")
         return identity.runtime_slice(cfg, dev, torch.bfloat16, lambda: 256).get("lora")
@@ -100,23 +99,15 @@ def test_the_lora_kernels_are_in_the_cuda_runtime_slice_only_where_they_run():
     assert key("runtime.dtype=float32") is None  # (the kernels are for bf16 and fp16 bases)
     assert key("lora.r=64") == "kernels" and key("lora.r=128") is key("lora.dropout=0.05") is None  # (PEFT's)
     assert key("student.quant=nf4") is key("student.quant=int8") is None
-    # eager (no graph): 4 x (128 + 32) = 640 rows launch on the host for longer than PEFT's passes take
-    eager = "runtime.cuda_graphs=false"
-    assert key(eager) is None and key(eager, "runtime.lora_kernels=true") == "kernels"
+    eager = "runtime.cuda_graphs=false"  # (no graph: the kernels still run, and the graphs' key goes)
+    assert key(eager) == key("env.name=calculator") == "kernels"
     graphs = lambda *o: identity.runtime_slice(  # noqa: E731  (the same rule names the graphed roles)
         config.compose(BASE + list(o), ROOT / "conf"), "cuda", torch.bfloat16, lambda: 256).get("forward_graphs")
     assert graphs() == ["teacher", "student"] and graphs(eager) is None
-    rows = lambda *o: codepaths.training_rows(config.compose(BASE + list(o), ROOT / "conf"), "student")  # noqa: E731
-    assert rows() == 4 * (128 + 32) and rows("rollout.n=2", "rollout.max_new_tokens=64") == 8 * (128 + 64)
-    big = ("rollout.batch_size=64", "rollout.max_new_tokens=512")  # workload b: 64 x (128 + 512) = 40,960
-    assert rows(*big) >= LORA_KERNELS_EAGER_ROWS > rows() and key(eager, *big) == "kernels"
-    assert key(eager, "rollout.batch_size=51") is None and key(eager, "rollout.batch_size=52") == "kernels"
-    # multi-turn episodes replay no graphs: their rows are the env's turns
-    assert rows("env.name=calculator") == 4 * (128 + 3 * 48) and key("env.name=calculator") is None
-    # the teacher trains only in SFT (protocol_sft), eagerly, on sft.batch_size traces
+    # the teacher trains only in SFT (protocol_sft), where its LoRA takes the same rule
     teacher = lambda *o: codepaths.lora_kernels(  # noqa: E731
         config.compose(BASE + list(o), ROOT / "conf"), "teacher", "cuda")
-    assert not teacher() and teacher("runtime.lora_kernels=true") and teacher("sft.batch_size=64")
+    assert teacher() and not teacher("runtime.lora_kernels=false") and not teacher("teacher.quant=nf4")
 
 
 def test_a_digest_changes_with_each_key_its_stage_reads_and_no_other():

@@ -205,6 +205,15 @@ def compact(path: Path) -> str:
     return "\n".join(out + [f"| {a_} | {b_} | {c_} | {d_} |" for a_, b_, c_, d_ in rows])
 
 
+@lru_cache(maxsize=1)
+def _arms() -> set[str]:
+    """The arms benchmarks/systems.py runs today."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import systems
+
+    return set(systems.OURS_ARMS)
+
+
 def _earlier_arms(earlier: list[Path], present: set[str]) -> list[str]:
     """A table of the arms of ours that this run did not measure, each from the newest earlier run that
     did, with that run's default beside it (figures of different runs are not compared); [] if none."""
@@ -214,8 +223,8 @@ def _earlier_arms(earlier: list[Path], present: set[str]) -> list[str]:
         base = next((s for s in la.get("systems", []) if s["name"] == "opd-stages"), None)
         for s in la.get("systems", []):
             name = s["name"].removeprefix("opd-stages-")
-            if not s["name"].startswith("opd-stages-") or name in seen or not _ok(s):
-                continue
+            if not s["name"].startswith("opd-stages-") or name in seen or not _ok(s) or name not in _arms():
+                continue  # (an arm no longer in systems.py: its settings may now mean another arm's)
             seen.add(name)
             how = f" (`{' '.join(s['settings'])}`)" if s.get("settings") else ""
             rows.append(f"| {name}{how} | `{p.relative_to(ROOT)}` | {_cells(s)} | "

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import xxhash
 
 from . import decoder, draw, graphs, kernels, sampler
 from ..weights import lora_kernels, norms
@@ -75,9 +76,16 @@ def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, len
             "device": device.index if device.index is not None else torch.cuda.current_device(),
             "length": length, "rank": rank, "engine": engine, "lora": lora_kernels}
     which = parts(compiled, sampling, cpus(), engine, lora_kernels) if precompile and kernels.triton is not None else ()
-    children = [_spawn({**spec, "part": part}) for part in which]
-    if which:
-        _RESULT["precompile_parts"] = list(which)
+    # a part some earlier child compiled at these shapes, with this code, is in the caches: the thread
+    # loads it below, sooner than a child's own imports and CUDA context would (a child took 5.5 to
+    # 8 s on warm caches, docs/performance.md "The first update")
+    marks = {part: _marker(spec, part) for part in which}
+    cold = [part for part in which if marks[part] is None or not marks[part].exists()]
+    children = [_spawn({**spec, "part": part, "marker": str(marks[part] or "")}) for part in cold]
+    if cold:
+        _RESULT["precompile_parts"] = cold
+    if len(cold) < len(which):
+        _RESULT["precompile_warm"] = [part for part in which if part not in cold]
 
     def run() -> None:
         t = time.perf_counter()
@@ -157,6 +165,30 @@ def cpus() -> int:
         return os.cpu_count() or 1
 
 
+def _marker(spec: dict, part: str) -> Path | None:
+    """The file a child leaves once it has compiled `part` at spec's shapes: in Triton's cache directory
+    (cleared with it), named by the spec (the model's config.json by its bytes, not its path; not the
+    device's index), the part, the torch and Triton versions and the bytes of the modules whose kernels
+    it compiles; None where the config cannot be read. Not keyed by the GPU, whose model this process
+    has not asked for yet (CUDA is not initialised here): on a cache shared by different GPUs the thread
+    compiles in line what Triton's own keys then miss."""
+    import triton
+    try:
+        config = Path(spec["config"]).read_bytes()
+    except OSError:  # (the thread's `dims` reports it)
+        return None
+    knobs = getattr(triton, "knobs", None)
+    cache = getattr(getattr(knobs, "cache", None), "dir", None) or os.environ.get("TRITON_CACHE_DIR") \
+        or str(Path.home() / ".triton" / "cache")
+    here = Path(__file__).resolve().parent
+    h = xxhash.xxh64(json.dumps({**spec, "config": None, "device": None, "part": part, "torch": torch.__version__,
+                                 "triton": triton.__version__}, sort_keys=True).encode())
+    h.update(config)
+    for src in sorted([*here.glob("*.py"), here.parent / "weights" / "lora_kernels.py"]):
+        h.update(src.read_bytes())
+    return Path(cache) / "opd-warmup" / h.hexdigest()
+
+
 def _spawn(spec: dict) -> subprocess.Popen | None:
     """A child that compiles part of the rollout engine's Triton kernels (`_child`), started now. A cold
     Triton cache made the warm-up thread compile them in this process, where Triton's code generator
@@ -212,6 +244,7 @@ def _child(spec: dict) -> None:
         _teacher_forced(d, spec["rows"], spec["length"], spec["rank"], dtype, device, train=True, kernels=True)
         if spec["part"] == "lora" or not spec.get("engine", True):
             torch.cuda.synchronize(device)
+            _done(spec)
             return
     W = _weights(d, dtype, device)
     if spec["part"] == "step":
@@ -219,6 +252,14 @@ def _child(spec: dict) -> None:
     layer = decoder.layer if spec["part"] == "draw" else sampler.decode_layer(W, spec["rows"], spec["compiled"])
     _sample(W, spec["rows"], spec["prompt"], spec["new"], Sampling(**spec["sampling"]), spec["min_new"], layer)
     torch.cuda.synchronize(device)
+    _done(spec)
+
+
+def _done(spec: dict) -> None:
+    """Leave the part's marker (`_marker`): later runs at these shapes load it on the thread, no child."""
+    if spec.get("marker"):
+        Path(spec["marker"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(spec["marker"]).touch()
 
 
 def _full(shape, value, dtype, device, grad=False):

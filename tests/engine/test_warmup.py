@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import asdict
 
+import pytest
 import torch
 
 from stages.engine import decoder, warmup
@@ -85,6 +86,51 @@ def test_children_compile_only_what_the_engine_launches_one_core_each():
     assert warmup.parts(True, plain, 16, engine=False, lora=True) == ("lora",) == warmup.parts(False, greedy, 2, lora=True)
     assert warmup.parts(True, plain, 3, lora=True) == ("all",) and warmup.parts(True, plain, 16, engine=False) == ()
     assert 1 <= warmup.cpus() <= (os.cpu_count() or 1)
+
+
+def test_a_part_compiled_before_starts_no_child(tmp_path, monkeypatch):
+    """A child that compiled its part leaves a marker in Triton's cache (`_marker`, `_done`); a later
+    start at the same shapes, model config and code spawns no child for it (the thread loads it) and
+    reports it warm; other shapes or another config's bytes are cold again, the config's path is not
+    part of the key. CUDA is pretended: the thread fails at its first CUDA call, before any child matters."""
+    pytest.importorskip("triton")
+    from stages.engine import kernels
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setattr(kernels, "triton", object())  # (as where Triton is installed)
+    monkeypatch.setattr(warmup, "cpus", lambda: 16)
+    spawned = []
+
+    def spawn(spec):  # the child's success, without the child
+        spawned.append(spec["part"])
+        warmup._done(spec)
+        proc = subprocess.Popen([sys.executable, "-c", "pass"], stderr=subprocess.PIPE, text=True)
+        proc.started = time.perf_counter()
+        return proc
+    monkeypatch.setattr(warmup, "_spawn", spawn)
+
+    def start(config, rows=2):
+        spawned.clear()
+        monkeypatch.setattr(warmup, "_RESULT", {})
+        monkeypatch.setattr(warmup, "_RUNNING", [])
+        warmup.start(config, config, rows=rows, prompt=16, new=4, length=32, rank=4, sampling=Sampling(), min_new=0,
+                     dtype=torch.bfloat16, device=torch.device("cuda", 0), compiled=True, precompile=True,
+                     lora_kernels=True)
+        warmup._RUNNING.pop().join()
+        return list(spawned), warmup.report()
+
+    a, b = tmp_path / "a" / "config.json", tmp_path / "b" / "config.json"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_text(json.dumps({"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2,
+                                 "hidden_size": 64, "intermediate_size": 96, "vocab_size": 500}))
+    first, rep = start(a)
+    assert first == ["draw", "step", "lora"] and rep["precompile_parts"] == first and "precompile_warm" not in rep
+    assert "warmup_error" in rep  # (no CUDA here: the thread's own calls fail, reported, not raised)
+    again, rep = start(b)  # (the same bytes at another path)
+    assert again == [] and rep["precompile_warm"] == first and "precompile_parts" not in rep
+    assert start(a, rows=3)[0] == first  # other shapes
+    b.write_text(b.read_text().replace('"vocab_size": 500', '"vocab_size": 501'))
+    assert start(b)[0] == first  # another config
 
 
 def test_children_share_one_deadline(monkeypatch):

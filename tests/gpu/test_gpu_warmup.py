@@ -18,15 +18,22 @@ RUN = [*TINY, "runtime.device=cuda", "train.updates=2", "rollout.max_new_tokens=
 
 
 def test_warmup_changes_no_byte_and_reports_its_time(tmp_path, seeded_store):
-    on, off = fresh(tmp_path / "on", seeded_store), fresh(tmp_path / "off", seeded_store)
-    opd("stage", "train", *RUN, cwd=on)
+    """On a fresh Triton cache the children compile and leave their markers; a second run at the same
+    shapes (another work dir, the same cache) starts none: the thread loads every part. All three runs,
+    and one without the warm-up, publish the same bytes."""
+    on, warm, off = (fresh(tmp_path / n, seeded_store) for n in ("on", "warm", "off"))
+    cache = {"TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    opd("stage", "train", *RUN, cwd=on, env=cache)
+    opd("stage", "train", *RUN, cwd=warm, env=cache)
     opd("stage", "train", *RUN, "runtime.warmup=false", cwd=off)
     timings = {d: json.loads((d / "artifacts" / "runs" / "default" / "train.json").read_text())["timings"]
-               for d in (on, off)}
+               for d in (on, warm, off)}
     assert "warmup_error" not in timings[on] and timings[on]["warmup_s"] > 0
     # the child compiled the engine's kernels (stages/engine/warmup.py `_child`) and finished first
     assert "precompile_error" not in timings[on] and 0 < timings[on]["precompile_s"] < timings[on]["warmup_s"]
     assert "lora" in timings[on]["precompile_parts"]  # (runtime.lora_kernels: their child too)
+    assert "warmup_error" not in timings[warm] and "precompile_parts" not in timings[warm], timings[warm]
+    assert timings[warm]["precompile_warm"] == timings[on]["precompile_parts"] and "precompile_s" not in timings[warm]
     assert "warmup_s" not in timings[off] and "precompile_s" not in timings[off]
     assert timings[on]["loaded_ahead"] == ["student_weights", "teacher_weights", "tokenizer", "teacher"]
     assert "loaded_ahead" not in timings[off]
@@ -34,6 +41,7 @@ def test_warmup_changes_no_byte_and_reports_its_time(tmp_path, seeded_store):
     assert entries == {e for e in published(off / "artifacts") if e.split("/")[0] in ("init", "rollout", "score", "update")}
     assert len(entries) == 7, sorted(entries)  # init + 2 steps x rollout/score/update
     assert entry_differences(on / "artifacts", off / "artifacts", entries) == []
+    assert entry_differences(warm / "artifacts", off / "artifacts", entries) == []
 
 
 def test_a_student_sampled_through_transformers_warms_no_engine(tmp_path, seeded_store):

@@ -80,12 +80,13 @@ def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, len
     # loads it below, sooner than a child's own imports and CUDA context would (a child took 5.5 to
     # 8 s on warm caches, docs/performance.md "The first update")
     marks = {part: _marker(spec, part) for part in which}
-    cold = [part for part in which if marks[part] is None or not marks[part].exists()]
+    warm = [part for part in which if marks[part] and marks[part].exists()]
+    cold = [part for part in which if part not in warm]
     children = [_spawn({**spec, "part": part, "marker": str(marks[part] or "")}) for part in cold]
     if cold:
         _RESULT["precompile_parts"] = cold
-    if len(cold) < len(which):
-        _RESULT["precompile_warm"] = [part for part in which if part not in cold]
+    if warm:
+        _RESULT["precompile_warm"] = warm
 
     def run() -> None:
         t = time.perf_counter()
@@ -169,13 +170,18 @@ def _marker(spec: dict, part: str) -> Path | None:
     """The file a child leaves once it has compiled `part` at spec's shapes: in Triton's cache directory
     (cleared with it), named by the spec (the model's config.json by its bytes, not its path; not the
     device's index), the part, the torch and Triton versions and the bytes of the modules whose kernels
-    it compiles; None where the config cannot be read. Not keyed by the GPU, whose model this process
-    has not asked for yet (CUDA is not initialised here): on a cache shared by different GPUs the thread
-    compiles in line what Triton's own keys then miss."""
-    import triton
+    it compiles. None, and a child every time, for a decode step that compiles Inductor's layer
+    (sampler.decode_layer past the kernels' rows), whose cache is another directory (under /tmp by
+    default), or where the config cannot be read (the thread's `dims` reports it). Not keyed by the GPU,
+    whose model this process has not asked for yet (CUDA is not initialised here): on a cache shared by
+    different GPUs the thread compiles in line what Triton's own keys then miss."""
+    triton = kernels.triton
     try:
-        config = Path(spec["config"]).read_bytes()
-    except OSError:  # (the thread's `dims` reports it)
+        config, act = Path(spec["config"]).read_bytes(), decoder.activation(dims(Path(spec["config"])))
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+    if (part in ("step", "all") and spec["compiled"] and spec["engine"]
+            and not kernels.usable(spec["rows"], getattr(torch, spec["dtype"]), "cuda", act)):
         return None
     knobs = getattr(triton, "knobs", None)
     cache = getattr(getattr(knobs, "cache", None), "dir", None) or os.environ.get("TRITON_CACHE_DIR") \
@@ -244,7 +250,6 @@ def _child(spec: dict) -> None:
         _teacher_forced(d, spec["rows"], spec["length"], spec["rank"], dtype, device, train=True, kernels=True)
         if spec["part"] == "lora" or not spec.get("engine", True):
             torch.cuda.synchronize(device)
-            _done(spec)
             return
     W = _weights(d, dtype, device)
     if spec["part"] == "step":
@@ -252,7 +257,6 @@ def _child(spec: dict) -> None:
     layer = decoder.layer if spec["part"] == "draw" else sampler.decode_layer(W, spec["rows"], spec["compiled"])
     _sample(W, spec["rows"], spec["prompt"], spec["new"], Sampling(**spec["sampling"]), spec["min_new"], layer)
     torch.cuda.synchronize(device)
-    _done(spec)
 
 
 def _done(spec: dict) -> None:
@@ -345,4 +349,6 @@ def _teacher_forced(d, B, T, r, dtype, device, train: bool, kernels: bool = Fals
 
 
 if __name__ == "__main__":  # the child `_spawn` starts: python -m stages.engine.warmup SPEC_JSON
-    _child(json.loads(sys.argv[1]))
+    _spec = json.loads(sys.argv[1])
+    _child(_spec)
+    _done(_spec)  # (only once it has compiled its part)

@@ -92,11 +92,11 @@ def test_a_part_compiled_before_starts_no_child(tmp_path, monkeypatch):
     """A child that compiled its part leaves a marker in Triton's cache (`_marker`, `_done`); a later
     start at the same shapes, model config and code spawns no child for it (the thread loads it) and
     reports it warm; other shapes or another config's bytes are cold again, the config's path is not
-    part of the key. CUDA is pretended: the thread fails at its first CUDA call, before any child matters."""
+    part of the key; a decode step past the kernels' rows (Inductor's layer, another cache) is never
+    marked. CUDA is pretended: the thread fails at its first CUDA call, before any child matters."""
     pytest.importorskip("triton")
     from stages.engine import kernels
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    monkeypatch.setattr(kernels, "triton", object())  # (as where Triton is installed)
     monkeypatch.setattr(warmup, "cpus", lambda: 16)
     spawned = []
 
@@ -129,6 +129,8 @@ def test_a_part_compiled_before_starts_no_child(tmp_path, monkeypatch):
     again, rep = start(b)  # (the same bytes at another path)
     assert again == [] and rep["precompile_warm"] == first and "precompile_parts" not in rep
     assert start(a, rows=3)[0] == first  # other shapes
+    past = kernels.MAX_ROWS + 1  # the compiled decode layer's rows
+    assert start(a, rows=past)[0] == first and start(a, rows=past)[0] == ["step"]
     b.write_text(b.read_text().replace('"vocab_size": 500', '"vocab_size": 501'))
     assert start(b)[0] == first  # another config
 

@@ -78,8 +78,8 @@ def start(student: Path, teacher: Path, *, rows: int, prompt: int, new: int, len
     which = parts(compiled, sampling, cpus(), engine, lora_kernels) if precompile and kernels.triton is not None else ()
     # a part some earlier child compiled at these shapes, with this code, is in the caches: the thread
     # loads it below, sooner than a child's own imports and CUDA context would (a child took 5.5 to
-    # 8 s on warm caches, docs/performance.md "The first update")
-    marks = {part: _marker(spec, part) for part in which}
+    # 8.3 s on warm caches, docs/performance.md "The first update")
+    marks = _markers(spec, which)
     warm = [part for part in which if marks[part] and marks[part].exists()]
     cold = [part for part in which if part not in warm]
     children = [_spawn({**spec, "part": part, "marker": str(marks[part] or "")}) for part in cold]
@@ -166,33 +166,34 @@ def cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _marker(spec: dict, part: str) -> Path | None:
-    """The file a child leaves once it has compiled `part` at spec's shapes: in Triton's cache directory
-    (cleared with it), named by the spec (the model's config.json by its bytes, not its path; not the
-    device's index), the part, the torch and Triton versions and the bytes of the modules whose kernels
-    it compiles. None, and a child every time, for a decode step that compiles Inductor's layer
-    (sampler.decode_layer past the kernels' rows), whose cache is another directory (under /tmp by
-    default), or where the config cannot be read (the thread's `dims` reports it). Not keyed by the GPU,
-    whose model this process has not asked for yet (CUDA is not initialised here): on a cache shared by
-    different GPUs the thread compiles in line what Triton's own keys then miss."""
+def _markers(spec: dict, which) -> dict:
+    """part -> the file a child leaves once it has compiled that part at spec's shapes (`_main`): in
+    Triton's cache directory (cleared with it), named by the spec (the model's config.json by its bytes,
+    not its path; not the device's index), the part, the torch and Triton versions and the bytes of the
+    modules whose kernels it compiles. None for every part where the config cannot be read (the
+    thread's `dims` reports it). Not keyed by the GPU, whose model this process has not asked for yet
+    (CUDA is not initialised here): on a cache shared by different GPUs the thread compiles in line what
+    Triton's own keys then miss."""
     triton = kernels.triton
     try:
-        config, act = Path(spec["config"]).read_bytes(), decoder.activation(dims(Path(spec["config"])))
-    except (OSError, ValueError, KeyError, AttributeError):
-        return None
-    if (part in ("step", "all") and spec["compiled"] and spec["engine"]
-            and not kernels.usable(spec["rows"], getattr(torch, spec["dtype"]), "cuda", act)):
-        return None
-    knobs = getattr(triton, "knobs", None)
+        config = Path(spec["config"]).read_bytes()
+    except OSError:
+        return dict.fromkeys(which)
+    knobs = getattr(triton, "knobs", None)  # (Triton before 3.4 has none: its directory is the variable's)
     cache = getattr(getattr(knobs, "cache", None), "dir", None) or os.environ.get("TRITON_CACHE_DIR") \
         or str(Path.home() / ".triton" / "cache")
     here = Path(__file__).resolve().parent
-    h = xxhash.xxh64(json.dumps({**spec, "config": None, "device": None, "part": part, "torch": torch.__version__,
+    h = xxhash.xxh64(json.dumps({**spec, "config": None, "device": None, "torch": torch.__version__,
                                  "triton": triton.__version__}, sort_keys=True).encode())
     h.update(config)
     for src in sorted([*here.glob("*.py"), here.parent / "weights" / "lora_kernels.py"]):
         h.update(src.read_bytes())
-    return Path(cache) / "opd-warmup" / h.hexdigest()
+    marks = {}
+    for part in which:
+        hp = h.copy()
+        hp.update(part.encode())
+        marks[part] = Path(cache) / "opd-warmup" / hp.hexdigest()
+    return marks
 
 
 def _spawn(spec: dict) -> subprocess.Popen | None:
@@ -234,7 +235,7 @@ def _join_children(procs: list) -> None:
         _RESULT["precompile_s"] = round(time.perf_counter() - procs[0].started, 4)
 
 
-def _child(spec: dict) -> None:
+def _child(spec: dict) -> bool:
     """In a child: the engine's prefill and decode step at the run's shapes, one layer of constant
     weights (`parts`). part "draw": through the eager layer (no Triton kernel but the draw's); part
     "step": with the draw's kernels off (draw.ON, this process's own) and the layer the engine will
@@ -242,7 +243,8 @@ def _child(spec: dict) -> None:
     Inductor's cache then filled too); part "lora": the student's training forward and backward of one
     layer through the LoRA kernels; part "all": the step's layer with the draw on, and the LoRA kernels
     where the run takes them. What it compiles lands in the on-disk caches the parent reads; nothing
-    else is kept."""
+    else is kept. True where all of it is in Triton's cache (not where the layer is Inductor's, whose
+    cache is another directory, under /tmp by default: no marker then, `_main`)."""
     d, dtype = dims(Path(spec["config"])), getattr(torch, spec["dtype"])
     device = torch.device("cuda", spec["device"])
     torch.cuda.set_device(device)
@@ -250,18 +252,20 @@ def _child(spec: dict) -> None:
         _teacher_forced(d, spec["rows"], spec["length"], spec["rank"], dtype, device, train=True, kernels=True)
         if spec["part"] == "lora" or not spec.get("engine", True):
             torch.cuda.synchronize(device)
-            return
+            return True
     W = _weights(d, dtype, device)
     if spec["part"] == "step":
         draw.ON = False
     layer = decoder.layer if spec["part"] == "draw" else sampler.decode_layer(W, spec["rows"], spec["compiled"])
     _sample(W, spec["rows"], spec["prompt"], spec["new"], Sampling(**spec["sampling"]), spec["min_new"], layer)
     torch.cuda.synchronize(device)
+    return layer in (decoder.layer, decoder.fused_layer)
 
 
-def _done(spec: dict) -> None:
-    """Leave the part's marker (`_marker`): later runs at these shapes load it on the thread, no child."""
-    if spec.get("marker"):
+def _main(spec: dict) -> None:
+    """The child's body: compile its part (`_child`), then leave the part's marker (`_markers`) where all
+    it compiled is in Triton's cache, so that later runs at these shapes load it on the thread, no child."""
+    if _child(spec) and spec.get("marker"):
         try:
             Path(spec["marker"]).parent.mkdir(parents=True, exist_ok=True)
             Path(spec["marker"]).touch()
@@ -349,6 +353,4 @@ def _teacher_forced(d, B, T, r, dtype, device, train: bool, kernels: bool = Fals
 
 
 if __name__ == "__main__":  # the child `_spawn` starts: python -m stages.engine.warmup SPEC_JSON
-    _spec = json.loads(sys.argv[1])
-    _child(_spec)
-    _done(_spec)  # (only once it has compiled its part)
+    _main(json.loads(sys.argv[1]))

@@ -89,20 +89,32 @@ def test_children_compile_only_what_the_engine_launches_one_core_each():
 
 
 def test_a_part_compiled_before_starts_no_child(tmp_path, monkeypatch):
-    """A child that compiled its part leaves a marker in Triton's cache (`_marker`, `_done`); a later
+    """A child that compiled its part leaves a marker in Triton's cache (`_markers`, `_main`); a later
     start at the same shapes, model config and code spawns no child for it (the thread loads it) and
     reports it warm; other shapes or another config's bytes are cold again, the config's path is not
     part of the key; a decode step past the kernels' rows (Inductor's layer, another cache) is never
-    marked. CUDA is pretended: the thread fails at its first CUDA call, before any child matters."""
+    marked. The children run their real body (`_main`, `_child`, sampler.decode_layer's choice) in this
+    process with their CUDA work left out; the parent's thread fails at its first CUDA call."""
     pytest.importorskip("triton")
-    from stages.engine import kernels
+    from types import SimpleNamespace
+
+    from stages.engine import draw, kernels
+    monkeypatch.setattr(draw, "ON", draw.ON)  # (part "step" turns it off: its own process's, here this one's)
+    monkeypatch.setattr(decoder, "_COMPILED", decoder._COMPILED)  # (decode_layer past the kernels' rows)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     monkeypatch.setattr(warmup, "cpus", lambda: 16)
+    for name in ("set_device", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    monkeypatch.setattr(warmup, "_teacher_forced", lambda *a, **k: None)
+    monkeypatch.setattr(warmup, "_sample", lambda *a, **k: None)
+    real_weights = warmup._weights  # (only its dtype, activation and device matter to decode_layer)
+    monkeypatch.setattr(warmup, "_weights", lambda d, dtype, device: {
+        **real_weights(d, dtype, "meta"), "embed": SimpleNamespace(device=device)})
     spawned = []
 
-    def spawn(spec):  # the child's success, without the child
+    def spawn(spec):  # the child's body, in this process
         spawned.append(spec["part"])
-        warmup._done(spec)
+        warmup._main(spec)
         proc = subprocess.Popen([sys.executable, "-c", "pass"], stderr=subprocess.PIPE, text=True)
         proc.started = time.perf_counter()
         return proc

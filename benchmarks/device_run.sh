@@ -102,7 +102,7 @@ fi
 # took 429 s one after another in the heaviest half and 230 s in the other on an H100), balanced by
 # those files' durations, so that `all` (tests, then the benchmark) fits one 600 s call; their logs
 # end up in one file, gpu-tests.log, one section per group. The warm-up's file is a group of its own:
-# with the replay and off-policy files beside it, that group ran ~90 s past the others and left
+# with the replay and off-policy files beside it, that group ran ~125 s past the next longest and left
 # workload b no time (benchmarks/results/INDEX.md, "GPU tests").
 groups=(
   "tests/gpu/test_gpu_cross.py tests/gpu/test_gpu_identity.py tests/gpu/test_gpu_lora.py tests/gpu/test_gpu_optimizer.py"
